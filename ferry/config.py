@@ -1,0 +1,147 @@
+"""Frozen configuration objects, composed into one `EngineConfig`.
+
+Everything the engine needs to know before the first request is decided here, once: which model,
+in which dtype, how the KV cache is cut into blocks, and how much work one step may do.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's shape, read from its Hugging Face `config.json` (kept whole in `hf_config`)."""
+
+    path: Path
+    hf_config: dict[str, Any] = field(repr=False)
+    dtype: torch.dtype
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
+
+    @property
+    def architecture(self) -> str:
+        return self.hf_config["architectures"][0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config["vocab_size"]
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config["num_hidden_layers"]
+
+    @property
+    def num_heads(self) -> int:
+        return self.hf_config["num_attention_heads"]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.hf_config.get("num_key_value_heads") or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.num_heads
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        dtype: str | torch.dtype = "auto",
+        max_model_len: int | None = None,
+        load_format: str = "auto",
+    ) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {path}")
+        hf_config = json.loads(config_file.read_text())
+        if not hf_config.get("architectures"):
+            raise ValueError(f"{config_file} names no 'architectures'")
+        limit = hf_config.get("max_position_embeddings", 2048)
+        if max_model_len is None:
+            max_model_len = limit
+        elif max_model_len > limit:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
+        return cls(
+            path=path,
+            hf_config=hf_config,
+            dtype=resolve_dtype(dtype, hf_config),
+            max_model_len=max_model_len,
+            eos_token_ids=_read_eos_token_ids(path, hf_config),
+            load_format=load_format,
+        )
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any]) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        # Like vLLM: keep a half-precision checkpoint's dtype, but never run float32 weights on a
+        # GPU by surprise; on CPU "auto" means float32, which is both exact and fast enough.
+        name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
+        return _DTYPES.get(name, torch.float32) if torch.cuda.is_available() else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def _read_eos_token_ids(path: Path, hf_config: dict[str, Any]) -> tuple[int, ...]:
+    """generation_config.json wins over config.json, as in transformers' `generate`."""
+    eos = hf_config.get("eos_token_id")
+    gen_file = path / "generation_config.json"
+    if gen_file.is_file():
+        eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (eos,)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from memory
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = 2 << 30  # KV pool size on CPU when num_kv_blocks is not given
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # most requests running at once
+    max_num_batched_tokens: int = 8192  # the per-step token budget
+    max_model_len: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    device: str = "cpu"
+    seed: int = 0

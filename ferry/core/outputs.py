@@ -1,0 +1,79 @@
+"""The seam between the scheduler and the model runner: plain data, one message each way per step.
+
+    Scheduler.schedule() ──SchedulerOutput──► ModelRunner.execute()
+    Scheduler.update_from_output() ◄──ModelRunnerOutput──┘
+
+The runner keeps its own per-request state (block table, sampling generator) keyed by request id, so
+a step tells it only what changed: the tokens to compute, blocks added since the last step, and which
+requests are gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ferry.core.request import FinishReason
+from ferry.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step (a prefill chunk, or one decode token)
+    start_pos: int  # position of token_ids[0]: the request's num_computed_tokens before this step
+    new_block_ids: list[int]  # blocks appended to its block table since the runner last saw it
+    sample: bool  # this step reaches the end of its known tokens, so a next token is sampled
+    # Only for a request the runner has no state for (new, or resumed after preemption): its block
+    # table starts over from new_block_ids, and sampling needs its params and prompt.
+    new: bool = False
+    sampling_params: SamplingParams | None = None
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None  # tokens generated before a preemption
+    # Rows of this chunk whose next-token logprobs the client asked for (prompt logprobs).
+    prompt_logprobs: bool = False
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    # Requests the runner should forget: finished, aborted or preempted since the last step.
+    finished_request_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """Logprobs of one position: the chosen token's and the top-k alternatives'."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
+
+
+@dataclass
+class ModelRunnerOutput:
+    # One entry per scheduled request with sample=True, in scheduling order.
+    sampled_request_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[Logprobs | None] | None = None
+    # request id -> (first position, logprobs of the prompt tokens this step's chunk covered);
+    # the entry for position p is the logprob of prompt token p + 1.
+    prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """What one step did to one request, as the engine's output side needs it."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    logprobs: Logprobs | None = None
+    prompt_logprobs: tuple[int, list[Logprobs]] | None = None
+    num_cached_tokens: int = 0

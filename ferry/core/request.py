@@ -1,0 +1,100 @@
+"""A request as the scheduler sees it: token ids, and how many of them the KV cache already holds.
+
+There is no prefill phase and no decode phase. A request has `num_tokens` (prompt plus output so far)
+and `num_computed_tokens` (tokens whose K/V are in the cache); each step computes some of the
+difference. A fresh prompt has a large difference (prefill, maybe in chunks), a running request a
+difference of one (decode), a preempted request is reset to zero (recompute).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+from ferry.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # waiting again, its KV blocks given back
+    FINISHED = enum.auto()
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens, the context length, or a KV cache too small to hold it
+    ABORT = "abort"  # the client went away or asked to cancel
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Request:
+    __slots__ = (
+        "request_id", "prompt_token_ids", "sampling_params", "all_token_ids", "output_token_ids",
+        "num_computed_tokens", "num_cached_tokens", "status", "finish_reason", "stop_reason",
+        "max_tokens", "eos_token_ids", "arrival_time", "num_preemptions",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # The context length caps the output as surely as max_tokens does.
+        room = max_model_len - len(prompt_token_ids)
+        self.max_tokens = room if sampling_params.max_tokens is None else min(sampling_params.max_tokens, room)
+        self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> FinishReason | None:
+        """Token-level stop conditions, checked after each new token. Stop strings need text, so the
+        engine checks those after detokenizing."""
+        n = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        params = self.sampling_params
+        if n >= params.min_tokens:
+            if last in self.eos_token_ids:
+                return FinishReason.STOP
+            if last in params.stop_token_ids:
+                self.stop_reason = last
+                return FinishReason.STOP
+        if n >= self.max_tokens:
+            return FinishReason.LENGTH
+        return None

@@ -1,0 +1,156 @@
+"""The engine: one step = schedule, run the model, apply the results, turn tokens into outputs.
+
+    add_request ─► tokenize, validate ─► Scheduler.add_request (n sequences)
+    step():  Scheduler.schedule ─► ModelRunner.execute ─► Scheduler.update_from_output
+             ─► OutputProcessor.process (text, stop strings) ─► RequestOutputs
+
+The engine is synchronous and single-threaded; the offline `LLM` drains it in a loop and the server
+runs it in a loop of its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ferry.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ferry.core.kv_cache_manager import KVCacheManager
+from ferry.core.request import FinishReason, Request
+from ferry.core.scheduler import Scheduler
+from ferry.engine.output_processor import OutputProcessor
+from ferry.outputs import RequestOutput
+from ferry.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferry.tokenizer import Tokenizer
+
+# A prompt is text, or token ids given as {"prompt_token_ids": [...]} (vLLM's form).
+PromptType = str | dict[str, Any]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, model_runner, tokenizer: Tokenizer | None) -> None:
+        self.config = config
+        self.model_runner = model_runner
+        self.tokenizer = tokenizer
+        kv_cache = KVCacheManager(model_runner.num_kv_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, kv_cache)
+        self.output_processor = OutputProcessor(tokenizer)
+        self.eos_token_ids = config.model.eos_token_ids or (
+            (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
+        )
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        from ferry.executor.model_runner import build_model_runner
+
+        tokenizer = None
+        if (config.model.path / "tokenizer.json").is_file():
+            from ferry.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_pretrained(config.model.path)
+        return cls(config, build_model_runner(config), tokenizer)
+
+    # ---- requests in ----
+
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None
+    ) -> None:
+        """Validate and queue a request. Raises ValueError naming the problem; the engine is
+        unchanged then."""
+        text, token_ids = self._tokenize(prompt)
+        self._validate(request_id, token_ids, params)
+        child_ids = self.output_processor.add_request(request_id, text, token_ids, params)
+        try:
+            for index, child_id in enumerate(child_ids):
+                child_params = params if params.n == 1 else _child_params(params, index)
+                self.scheduler.add_request(Request(
+                    child_id, token_ids, child_params, self.config.model.max_model_len,
+                    self.eos_token_ids, arrival_time,
+                ))
+        except ValueError:
+            self.abort_request(request_id)
+            raise
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json: give prompts as {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            token_ids = prompt["prompt_token_ids"]
+            if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise ValueError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(token_ids)
+        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def _validate(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        model = self.config.model
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        bad = next((t for t in token_ids if not 0 <= t < model.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is out of vocabulary (valid ids: 0 to {model.vocab_size - 1})")
+        bad = next((t for t in params.stop_token_ids if t >= model.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"stop_token_ids: {bad} is out of vocabulary (size {model.vocab_size})")
+        if len(token_ids) >= model.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens, but max_model_len is {model.max_model_len}: "
+                "it leaves no room for a single output token"
+            )
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def abort_request(self, request_id: str) -> None:
+        child_ids = self.output_processor.abort_request(request_id)
+        self.scheduler.finish_requests(child_ids, FinishReason.ABORT)
+
+    # ---- the step ----
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.num_unfinished_requests > 0 or self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute(scheduler_output)
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs, stopped = self.output_processor.process(updates)
+        if stopped:
+            self.scheduler.finish_requests(stopped, FinishReason.STOP)
+        return outputs
+
+
+def _child_params(params: SamplingParams, index: int) -> SamplingParams:
+    # Each of the n sequences samples on its own stream; with a seed they stay reproducible.
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)
+
+
+def make_engine_config(
+    model: str | Path,
+    dtype: str = "auto",
+    device: str = "cpu",
+    block_size: int = 16,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
+    max_model_len: int | None = None,
+    num_kv_blocks: int | None = None,
+    gpu_memory_utilization: float = 0.9,
+    seed: int = 0,
+    load_format: str = "auto",
+) -> EngineConfig:
+    """The engine's configuration from `LLM`'s keyword arguments."""
+    model_config = ModelConfig.from_pretrained(model, dtype, max_model_len, load_format)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = max(8192, min(model_config.max_model_len, 16384)) if device != "cpu" else 2048
+    return EngineConfig(
+        model=model_config,
+        cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_config.max_model_len),
+        device=device,
+        seed=seed,
+    )

@@ -1,0 +1,252 @@
+"""From token ids to what users see: text, stop strings, logprobs, and the n completions of a request
+folded back into one `RequestOutput`.
+
+A request with n > 1 runs as n independent sequences in the scheduler (ids "0_<id>", "1_<id>", ...),
+each with its own detokenizer; this module gathers them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ferry.core.outputs import Logprobs, RequestUpdate
+from ferry.core.request import FinishReason
+from ferry.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from ferry.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from ferry.engine.detokenizer import IncrementalDetokenizer
+    from ferry.tokenizer import Tokenizer
+
+
+@dataclass
+class _Completion:
+    """One of a request's n sequences."""
+
+    index: int
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer | None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0  # how much a DELTA output has already handed out
+    sent_chars: int = 0
+
+    def visible_text(self) -> str:
+        """Text safe to show now. While a stop string may still be forming at the end of the text,
+        its possible beginning is held back, so that a stream never shows text it must retract."""
+        if self.finish_reason is not None or not self.params.stop or self.params.include_stop_str_in_output:
+            return self.text
+        hold = max(len(s) for s in self.params.stop) - 1
+        return self.text[: len(self.text) - hold] if hold else self.text
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[_Completion]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_cached_tokens: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+
+def child_request_id(request_id: str, index: int, n: int) -> str:
+    return request_id if n == 1 else f"{index}_{request_id}"
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self._requests: dict[str, _RequestState] = {}
+        self._children: dict[str, tuple[_RequestState, _Completion]] = {}
+
+    def add_request(
+        self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams
+    ) -> list[str]:
+        """Track a request; returns the ids of its n sequences for the scheduler."""
+        completions = [
+            _Completion(i, params, self._detokenizer(prompt_token_ids, params)) for i in range(params.n)
+        ]
+        state = _RequestState(request_id, prompt, prompt_token_ids, params, completions)
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]  # the first prompt token has no logprob
+        self._requests[request_id] = state
+        child_ids = [child_request_id(request_id, i, params.n) for i in range(params.n)]
+        for child_id, completion in zip(child_ids, completions):
+            self._children[child_id] = (state, completion)
+        return child_ids
+
+    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        from ferry.engine.detokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+
+    def abort_request(self, request_id: str) -> list[str]:
+        """Forget a request; returns its sequences' ids, for the scheduler to abort."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return []
+        child_ids = [child_request_id(request_id, c.index, state.params.n) for c in state.completions]
+        for child_id in child_ids:
+            self._children.pop(child_id, None)
+        return child_ids
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
+        """Apply one step's updates. Returns the outputs to hand out and the sequence ids that a
+        stop string has finished (the scheduler still holds their KV blocks)."""
+        touched: dict[str, _RequestState] = {}
+        stopped: list[str] = []
+        for update in updates:
+            entry = self._children.get(update.request_id)
+            if entry is None:
+                continue  # aborted
+            state, completion = entry
+            touched[state.request_id] = state
+            state.num_cached_tokens = update.num_cached_tokens
+            if update.prompt_logprobs is not None and completion.index == 0:
+                self._add_prompt_logprobs(state, *update.prompt_logprobs)
+            if self._add_tokens(completion, update):
+                stopped.append(update.request_id)
+            if completion.finish_reason is not None:
+                del self._children[update.request_id]
+        now = time.monotonic()
+        outputs = []
+        for state in touched.values():
+            if state.first_token_time is None and any(c.token_ids for c in state.completions):
+                state.first_token_time = now
+            output = self._make_output(state)
+            if output is not None:
+                outputs.append(output)
+            if state.finished:
+                del self._requests[state.request_id]
+        return outputs, stopped
+
+    def _add_tokens(self, completion: _Completion, update: RequestUpdate) -> bool:
+        """Append new tokens and their text; True when a stop string ended the completion."""
+        params = completion.params
+        old_len = len(completion.text)
+        for token_id in update.new_token_ids:
+            completion.token_ids.append(token_id)
+            if completion.detokenizer is not None:
+                completion.text += completion.detokenizer.push(token_id)
+        if update.logprobs is not None and params.logprobs is not None:
+            self._add_logprobs(completion, update.logprobs)
+        completion.finish_reason = update.finish_reason
+        completion.stop_reason = update.stop_reason
+        if update.finish_reason is None and params.stop and len(completion.text) > old_len:
+            return self._check_stop_strings(completion, old_len)
+        return False
+
+    @staticmethod
+    def _check_stop_strings(completion: _Completion, old_len: int) -> bool:
+        params = completion.params
+        if len(completion.token_ids) < params.min_tokens:
+            return False
+        text = completion.text
+        best: tuple[int, str] | None = None
+        for stop in params.stop:
+            # Only a match that reaches into this step's new text can be new.
+            idx = text.find(stop, max(0, old_len - len(stop) + 1))
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        if best is None:
+            return False
+        idx, stop = best
+        completion.text = text[: idx + len(stop)] if params.include_stop_str_in_output else text[:idx]
+        completion.finish_reason = FinishReason.STOP
+        completion.stop_reason = stop
+        return True
+
+    def _add_logprobs(self, completion: _Completion, lp: Logprobs) -> None:
+        if completion.logprobs is None:
+            completion.logprobs = []
+            completion.cumulative_logprob = 0.0
+        completion.logprobs.append(self._position_logprobs(lp))
+        completion.cumulative_logprob += lp.logprob
+
+    def _add_prompt_logprobs(self, state: _RequestState, start: int, logprobs: list[Logprobs]) -> None:
+        # Entry p of the list scores prompt token p + 1; a chunk recomputed after a preemption
+        # repeats positions we already hold.
+        have = len(state.prompt_logprobs) - 1
+        for offset, lp in enumerate(logprobs):
+            if start + offset == have:
+                state.prompt_logprobs.append(self._position_logprobs(lp))
+                have += 1
+
+    def _position_logprobs(self, lp: Logprobs) -> PositionLogprobs:
+        decode = self._decode_token
+        out = {lp.token_id: Logprob(lp.logprob, lp.rank, decode(lp.token_id))}
+        for rank, (token_id, logprob) in enumerate(lp.top, start=1):
+            if token_id not in out:
+                out[token_id] = Logprob(logprob, rank, decode(token_id))
+        return out
+
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _make_output(self, state: _RequestState) -> RequestOutput | None:
+        kind = state.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not state.finished:
+            return None
+        if kind is RequestOutputKind.DELTA:
+            completions = [self._delta(c) for c in state.completions]
+        else:
+            completions = [self._cumulative(c) for c in state.completions]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.finished,
+            prompt_logprobs=state.prompt_logprobs,
+            num_cached_tokens=state.num_cached_tokens,
+            metrics=self._metrics(state),
+        )
+
+    @staticmethod
+    def _cumulative(c: _Completion) -> CompletionOutput:
+        return CompletionOutput(
+            c.index, c.visible_text(), list(c.token_ids), c.cumulative_logprob,
+            list(c.logprobs) if c.logprobs is not None else None,
+            str(c.finish_reason) if c.finish_reason else None, c.stop_reason,
+        )
+
+    @staticmethod
+    def _delta(c: _Completion) -> CompletionOutput:
+        text = c.visible_text()
+        out = CompletionOutput(
+            c.index, text[c.sent_chars:], c.token_ids[c.sent_tokens:], c.cumulative_logprob,
+            c.logprobs[c.sent_tokens:] if c.logprobs is not None else None,
+            str(c.finish_reason) if c.finish_reason else None, c.stop_reason,
+        )
+        c.sent_chars, c.sent_tokens = len(text), len(c.token_ids)
+        return out
+
+    @staticmethod
+    def _metrics(state: _RequestState) -> dict[str, float]:
+        metrics = {"arrival_time": state.arrival_time}
+        if state.first_token_time is not None:
+            metrics["first_token_time"] = state.first_token_time
+        return metrics

@@ -1,0 +1,246 @@
+"""Tensors in, token ids out: runs one scheduled step on the model.
+
+The runner owns the model, the KV cache tensors and the sampler. Per request it remembers only what
+the scheduler sends once (block table, sampling params, tokens so far); each step's `SchedulerOutput`
+carries the changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
+from ferry.config import EngineConfig
+from ferry.core.outputs import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from ferry.sample import SamplerOutput, SamplingRow
+from ferry.sampling_params import SamplingParams
+
+
+@dataclass
+class _RequestState:
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    block_ids: list[int]
+    generator: torch.Generator | None
+
+
+@dataclass
+class ModelInputs:
+    input_ids: torch.Tensor  # (num_tokens,)
+    positions: torch.Tensor  # (num_tokens,)
+    attn_metadata: AttentionMetadata
+    # Rows of the hidden states whose logits are needed: the last token of every request that
+    # samples, then every token of chunks that asked for prompt logprobs.
+    logits_indices: torch.Tensor
+    sample_rows: list[int]  # index into scheduled of each request that samples
+    prompt_logprob_rows: list[tuple[int, int, int]]  # (scheduled index, first logits row, count)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        sampler,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.cache.block_size
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.sampler = sampler
+        self.eos_token_ids = config.model.eos_token_ids
+        self._states: dict[str, _RequestState] = {}
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.kv_caches[0].shape[1]
+
+    # ---- the step ----
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.update_states(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput([], [])
+        inputs = self.prepare_inputs(scheduler_output.scheduled)
+        ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
+        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        return self.sample(scheduler_output.scheduled, inputs, logits)
+
+    def update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self._states.pop(request_id, None)
+        for item in scheduler_output.scheduled:
+            if item.new:
+                self._states[item.request_id] = _RequestState(
+                    item.sampling_params, item.prompt_token_ids, list(item.output_token_ids),
+                    list(item.new_block_ids), self._generator(item.sampling_params),
+                )
+            elif item.new_block_ids:
+                self._states[item.request_id].block_ids.extend(item.new_block_ids)
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        return None if params.seed is None else torch.Generator(device=self.device)
+
+    def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
+        num_reqs = len(scheduled)
+        query_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_reqs)
+        starts = np.fromiter((s.start_pos for s in scheduled), np.int64, num_reqs)
+        query_start_loc = np.zeros(num_reqs + 1, np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        seq_lens = starts + query_lens
+
+        # Per token: which request it belongs to and its position in that request.
+        req_of_token = np.repeat(np.arange(num_reqs), query_lens)  # (num_tokens,)
+        positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - starts, query_lens)
+
+        block_table = self._block_table(scheduled, seq_lens)
+        bs = self.block_size
+        slot_mapping = block_table[req_of_token, positions // bs] * bs + positions % bs
+
+        input_ids = [t for s in scheduled for t in s.token_ids]
+        sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
+        logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
+        prompt_logprob_rows = []
+        for i, s in enumerate(scheduled):
+            if s.prompt_logprobs:
+                prompt_logprob_rows.append((i, len(logits_indices), int(query_lens[i])))
+                logits_indices.extend(range(int(query_start_loc[i]), int(query_start_loc[i + 1])))
+
+        to = lambda a, dtype: torch.as_tensor(a, dtype=dtype).to(self.device, non_blocking=True)  # noqa: E731
+        metadata = AttentionMetadata(
+            slot_mapping=to(slot_mapping, torch.int64),
+            query_start_loc=to(query_start_loc, torch.int32),
+            seq_lens=to(seq_lens, torch.int32),
+            block_tables=to(block_table, torch.int32),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return ModelInputs(
+            input_ids=to(input_ids, torch.int64),
+            positions=to(positions, torch.int64),
+            attn_metadata=metadata,
+            logits_indices=to(logits_indices, torch.int64),
+            sample_rows=sample_rows,
+            prompt_logprob_rows=prompt_logprob_rows,
+        )
+
+    def _block_table(self, scheduled: list[ScheduledRequest], seq_lens: np.ndarray) -> np.ndarray:
+        """(num_reqs, max_blocks) block ids; only the blocks that hold context are filled."""
+        bs = self.block_size
+        max_blocks = int(-(-seq_lens.max() // bs))
+        table = np.zeros((len(scheduled), max_blocks), np.int64)
+        for i, item in enumerate(scheduled):
+            blocks = self._states[item.request_id].block_ids
+            n = min(len(blocks), max_blocks)
+            table[i, :n] = blocks[:n]
+        return table
+
+    # ---- sampling ----
+
+    def sample(self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor) -> ModelRunnerOutput:
+        num_sampled = len(inputs.sample_rows)
+        rows = [self._sampling_row(scheduled[i]) for i in inputs.sample_rows]
+        result: SamplerOutput = self.sampler(logits[:num_sampled], rows)
+        request_ids = [scheduled[i].request_id for i in inputs.sample_rows]
+        for request_id, token_id in zip(request_ids, result.token_ids):
+            self._states[request_id].output_token_ids.append(token_id)
+        output = ModelRunnerOutput(request_ids, result.token_ids, _logprobs_of(result, rows))
+        for i, first, count in inputs.prompt_logprob_rows:
+            output.prompt_logprobs[scheduled[i].request_id] = self._prompt_logprobs(
+                scheduled[i], logits[first:first + count]
+            )
+        return output
+
+    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+        state = self._states[item.request_id]
+        params = state.params
+        num_output = len(state.output_token_ids)
+        if state.generator is not None:
+            # The random stream is a function of (seed, output position) alone, so a seeded
+            # request samples the same tokens whatever shares its batch and however often it
+            # was preempted and recomputed.
+            state.generator.manual_seed((params.seed * 0x9E3779B97F4A7C15 + num_output) & (2**63 - 1))
+        suppress: tuple[int, ...] = ()
+        if num_output < params.min_tokens:
+            suppress = (*self.eos_token_ids, *params.stop_token_ids)
+        return SamplingRow(params, state.prompt_token_ids, state.output_token_ids, state.generator, suppress)
+
+    def _prompt_logprobs(self, item: ScheduledRequest, logits: torch.Tensor) -> tuple[int, list[Logprobs]]:
+        """Logprobs of the prompt tokens that follow each position of this chunk."""
+        state = self._states[item.request_id]
+        prompt = state.prompt_token_ids
+        # Position p scores token p + 1; the chunk's last position may be the prompt's last, which
+        # scores nothing (the sampled token is scored by the sampler).
+        count = min(len(item.token_ids), len(prompt) - 1 - item.start_pos)
+        if count <= 0:
+            return item.start_pos, []
+        logprobs = torch.log_softmax(logits[:count].float(), dim=-1)
+        targets = torch.tensor(prompt[item.start_pos + 1:item.start_pos + 1 + count], device=logits.device)
+        chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
+        ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
+        k = state.params.prompt_logprobs or 0
+        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
+        result = [
+            Logprobs(t, lp, r, list(zip(ids, vals)))
+            for t, lp, r, ids, vals in zip(
+                targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_vals.tolist()
+            )
+        ]
+        return item.start_pos, result
+
+
+def _logprobs_of(result: SamplerOutput, rows: list[SamplingRow]) -> list[Logprobs | None] | None:
+    if result.logprobs is None:
+        return None
+    out: list[Logprobs | None] = []
+    for i, row in enumerate(rows):
+        if row.params.logprobs is None:
+            out.append(None)
+        else:
+            out.append(Logprobs(result.token_ids[i], result.logprobs[i], result.ranks[i], result.top_logprobs[i] or []))
+    return out
+
+
+def build_model_runner(config: EngineConfig) -> ModelRunner:
+    """Load the model, size and allocate the KV cache, and pick the attention backend."""
+    from ferry.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+    from ferry.attention.torch_ref import TorchReferenceBackend
+    from ferry.loader.loader import load_model
+    from ferry.sample import Sampler
+
+    device = torch.device(config.device)
+    torch.manual_seed(config.seed)
+    model = load_model(config.model, device)
+    num_blocks = _num_kv_blocks(config, kv_cache_bytes_per_block(config.model, config.cache.block_size))
+    kv_caches = allocate_kv_caches(config.model, num_blocks, config.cache.block_size, device)
+    return ModelRunner(config, model, kv_caches, TorchReferenceBackend(), Sampler(seed=config.seed, device=device))
+
+
+def _num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
+    cache = config.cache
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    # More blocks than every running request at full length could use would be wasted memory.
+    useful = config.scheduler.max_num_seqs * -(-config.scheduler.max_model_len // cache.block_size)
+    if torch.device(config.device).type == "cuda":
+        free, total = torch.cuda.mem_get_info()
+        budget = free - total * (1 - cache.gpu_memory_utilization)
+    else:
+        budget = cache.cpu_kv_cache_bytes
+    num_blocks = min(useful, int(budget // bytes_per_block))
+    if num_blocks < 1:
+        raise ValueError("no memory is left for the KV cache: lower the model size or raise the KV budget")
+    return num_blocks

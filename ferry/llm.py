@@ -1,0 +1,96 @@
+"""The offline facade: `LLM.generate` and `LLM.chat`, as in vLLM, on top of one `LLMEngine`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from pathlib import Path
+
+from ferry.engine.engine import LLMEngine, PromptType, make_engine_config
+from ferry.outputs import RequestOutput
+from ferry.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """Run a model on a batch of prompts and return the completions.
+
+    >>> llm = LLM(model="path/to/model")
+    >>> llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=32))[0].outputs[0].text
+    """
+
+    def __init__(self, model: str | Path | None = None, **engine_args) -> None:
+        if model is None:
+            from ferry.assets import default_model_path
+
+            model = default_model_path()
+        self.engine = LLMEngine.from_config(make_engine_config(model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params_list = _broadcast(sampling_params, len(prompts))
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY))
+                request_ids.append(request_id)
+            return self._run(request_ids, use_tqdm)
+        except BaseException:
+            # A bad prompt in the middle of a batch, or Ctrl-C: leave the engine clean.
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
+
+    def chat(
+        self,
+        messages: list[dict] | Sequence[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it has no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="Processed prompts", dynamic_ncols=True)
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _broadcast(sampling_params, n: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * n
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * n
+    if len(sampling_params) != n:
+        raise ValueError(f"got {len(sampling_params)} sampling params for {n} prompts")
+    return list(sampling_params)
