@@ -1,0 +1,5 @@
+import sys
+
+from ferry.cli import main
+
+sys.exit(main())
