@@ -43,7 +43,7 @@ class _Completion:
         if self.finish_reason is not None or not self.params.stop or self.params.include_stop_str_in_output:
             return self.text
         hold = max(len(s) for s in self.params.stop) - 1
-        return self.text[: len(self.text) - hold] if hold else self.text
+        return self.text[: max(0, len(self.text) - hold)]
 
 
 @dataclass
@@ -155,6 +155,8 @@ class OutputProcessor:
             self._add_logprobs(completion, update.logprobs)
         completion.finish_reason = update.finish_reason
         completion.stop_reason = update.stop_reason
+        if update.finish_reason is not None and completion.detokenizer is not None:
+            completion.text += completion.detokenizer.finish()  # an incomplete last character
         if update.finish_reason is None and params.stop and len(completion.text) > old_len:
             return self._check_stop_strings(completion, old_len)
         return False
