@@ -1,0 +1,72 @@
+"""The reference attention backend: plain torch, one request at a time.
+
+Slow but obviously correct; the fast kernels are tested against it. It reads every key and value
+back out of the paged cache through the block table, even those written in this very step, so
+the paging arithmetic is exercised exactly as a real kernel would use it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferry.attention.backend import AttentionBackend, AttentionMetadata
+
+
+class TorchReferenceBackend(AttentionBackend):
+    def forward(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        store_kv(k, v, kv_cache, metadata.slot_mapping)
+        # Rows past the last request (padding) are attended by no one and stay zero.
+        out = torch.zeros_like(q)
+        starts = metadata.query_start_loc_cpu
+        for i, seq_len in enumerate(metadata.seq_lens_cpu):
+            keys, values = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
+            rows = slice(starts[i], starts[i + 1])
+            out[rows] = causal_attention(q[rows], keys, values, scale)
+        return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each token's k and v at its flat slot; slot -1 marks padding and is skipped."""
+    key_cache = kv_cache[0].flatten(0, 1)  # (num_blocks * block_size, num_kv_heads, head_dim), a view
+    value_cache = kv_cache[1].flatten(0, 1)
+    real = slot_mapping >= 0
+    key_cache[slot_mapping[real]] = k[real].to(kv_cache.dtype)
+    value_cache[slot_mapping[real]] = v[real].to(kv_cache.dtype)
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's first seq_len keys and values, each (seq_len, num_kv_heads, head_dim)."""
+    block_size = kv_cache.shape[2]
+    blocks = block_table[: -(-seq_len // block_size)].long()  # the ceil(seq_len / block_size) blocks in use
+    keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]  # (num_used_blocks * block_size -> seq_len, kv_heads, head_dim)
+    values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    return keys, values
+
+
+def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) v for queries that are the last q_len of the keys' seq_len tokens.
+
+    q: (q_len, num_heads, head_dim); keys, values: (seq_len, num_kv_heads, head_dim).
+    Query j sits at context position seq_len - q_len + j and sees keys 0 .. that position.
+    Accumulates in float32 whatever the input dtype.
+    """
+    q_len, num_heads, _ = q.shape
+    seq_len, num_kv_heads, _ = keys.shape
+    # GQA: query head h reads kv head h // group (as HF's repeat_kv lays them out).
+    group = num_heads // num_kv_heads
+    keys = keys.float().repeat_interleave(group, dim=1)  # (seq_len, num_heads, head_dim)
+    values = values.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale  # (num_heads, q_len, seq_len)
+    query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]  # (q_len, 1)
+    key_pos = torch.arange(seq_len, device=q.device)[None, :]  # (1, seq_len)
+    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)  # (q_len, num_heads, head_dim)

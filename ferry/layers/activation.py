@@ -1,0 +1,18 @@
+"""The gated activation of Llama-family MLPs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up, where the input is gate and up side by side: (..., 2 * d) -> (..., d).
+
+    The MLP computes gate_proj and up_proj in one merged matmul; this splits the result again.
+    """
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up

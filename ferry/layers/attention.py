@@ -1,0 +1,31 @@
+"""The attention layer: owns no weights, only hands q/k/v and its layer's KV cache to the backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ferry.attention.backend import ForwardContext
+
+
+class Attention(nn.Module):
+    """Causal attention of this step's queries over each request's cached context.
+
+    `layer_idx` picks this layer's KV cache from `ctx.kv_caches`; which kernel runs is the
+    backend's business, so model code stays the same on every device.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_idx = layer_idx
+        self.scale = head_dim**-0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim).
+        Returns (num_tokens, num_heads * head_dim), ready for o_proj."""
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        out = ctx.backend.forward(q, k, v, kv_cache, ctx.attn_metadata, self.scale)
+        return out.flatten(1, 2)  # (num_tokens, num_heads * head_dim)

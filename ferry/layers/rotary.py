@@ -1,0 +1,83 @@
+"""Rotary position embedding (RoPE) in Hugging Face's layout, with the scalings Llama models use.
+
+HF rotates the two halves of each head against each other (`rotate_half`), not adjacent pairs, so
+checkpoints trained with HF code need exactly this layout:
+
+    x = [x1 | x2]  (each head_dim / 2)   ->   [x1 * cos - x2 * sin | x2 * cos + x1 * sin]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE settings of a config.json as one dict with `rope_type` and `rope_theta`.
+
+    Two spellings exist: transformers >= 5 writes a single `rope_parameters` dict that includes
+    rope_theta; older configs (most checkpoints on the Hub) write `rope_theta` next to an optional
+    `rope_scaling` dict whose type key is `rope_type`, or `type` in the oldest ones.
+    """
+    params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
+    if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {params['rope_type']!r} is not supported; ferry supports {SUPPORTED_ROPE_TYPES}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    return params
+
+
+def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """(head_dim / 2,) float32: the angle per position of each rotated pair, after any scaling."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (params["rope_theta"] ** exponents)
+    if params["rope_type"] == "linear":
+        # Position interpolation: position p is treated as p / factor.
+        return inv_freq / params["factor"]
+    if params["rope_type"] == "llama3":
+        return _llama3_scaled(inv_freq, params)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1's context extension: slow rotations (wavelength longer than the original context
+    / low_freq_factor) are slowed down by `factor`, fast ones (shorter than original context /
+    high_freq_factor) are kept, and the band between is blended linearly in 1 / wavelength."""
+    factor = params["factor"]
+    low, high = params["low_freq_factor"], params["high_freq_factor"]
+    old_context = params["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    in_band = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+    return torch.where(in_band, blended, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """positions -> (cos, sin), computed once per forward and shared by every layer."""
+
+    def __init__(self, head_dim: int, params: dict[str, Any]) -> None:
+        super().__init__()
+        # Not persistent: derived from the config, never read from or written to checkpoints.
+        self.register_buffer("inv_freq", inverse_frequencies(head_dim, params), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # (num_tokens, head_dim / 2)
+        angles = torch.cat((freqs, freqs), dim=-1)  # (num_tokens, head_dim): both halves rotate alike
+        return angles.cos(), angles.sin()  # float32; cast to the activations' dtype when applied
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (num_tokens, num_heads, head_dim) by its tokens' angles; cos, sin: (num_tokens, head_dim)."""
+    cos = cos[:, None, :].to(x.dtype)  # (num_tokens, 1, head_dim): same angle for every head
+    sin = sin[:, None, :].to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,0 +1,114 @@
+"""ModelConfig -> a ready model: built on the device in the model's dtype, then filled with weights.
+
+Loading is a name-for-name copy: every checkpoint tensor has a destination named exactly as in the
+checkpoint. Most destinations are parameters; projections that ferry merges into one matmul
+(q/k/v, gate/up) contribute one destination per checkpoint name, a view of their rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ferry.config import ModelConfig
+from ferry.layers.linear import MergedLinear
+from ferry.layers.norm import RMSNorm
+from ferry.loader.checkpoint import checkpoint_files, iterate_tensors
+from ferry.models.registry import get_model_class
+
+DUMMY_SEED = 0
+DUMMY_STD = 0.02  # like HF's initializer_range: keeps random activations from blowing up
+
+
+def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Module:
+    """The model of `model_config` on `device`, in `model_config.dtype`, in eval mode, no grads."""
+    if model_config.load_format not in ("auto", "dummy"):
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {model_config.load_format!r}")
+    model_class = get_model_class(model_config.architecture)
+    # Find the files before building, so a wrong path fails in a moment, not after allocation.
+    files = checkpoint_files(model_config.path) if model_config.load_format == "auto" else []
+    with torch.device(device), _default_dtype(model_config.dtype):
+        model = model_class(model_config)
+    if model_config.load_format == "dummy":
+        init_dummy_weights(model, torch.device(device))
+    else:
+        load_weights(model, iterate_tensors(files))
+    return model.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy each (checkpoint name, tensor) into the model; every destination must be filled once."""
+    targets = weight_targets(model)
+    ignored = _ignored_names(model)
+    unexpected = []
+    for name, tensor in tensors:
+        if name in ignored or name.endswith("rotary_emb.inv_freq"):
+            continue  # old checkpoints saved the RoPE buffer; ferry derives it from the config
+        if name not in targets:
+            unexpected.append(name)
+            continue
+        dest = targets.pop(name)
+        if dest.shape != tensor.shape:
+            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}")
+        dest.copy_(tensor)
+    if unexpected:
+        raise ValueError(f"checkpoint has tensors this model does not use: {_some(unexpected)}")
+    if targets:
+        raise ValueError(f"checkpoint is missing tensors: {_some(sorted(targets))}")
+
+
+def weight_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint tensor name -> the tensor it is copied into (a parameter or rows of one)."""
+    targets = {}
+    for module_name, module in model.named_modules():
+        prefix = f"{module_name}." if module_name else ""
+        for param_name, param in module.named_parameters(recurse=False):
+            if isinstance(module, MergedLinear):
+                # model.layers.0.self_attn.qkv_proj -> model.layers.0.self_attn.{q,k,v}_proj
+                parent = module_name.rpartition(".")[0]
+                for shard, rows in module.shard_rows().items():
+                    targets[f"{parent}.{shard}.{param_name}"] = param[rows]
+            else:
+                targets[prefix + param_name] = param
+    for name in _ignored_names(model):
+        targets.pop(name, None)
+    return targets
+
+
+def _ignored_names(model: nn.Module) -> set[str]:
+    # With tied embeddings lm_head.weight *is* embed_tokens.weight; as in transformers, the
+    # embedding wins, and a checkpoint may or may not carry a copy of it under lm_head.
+    return {"lm_head.weight"} if getattr(model, "tie_word_embeddings", False) else set()
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, device: torch.device) -> None:
+    """Random weights from the config alone, the same on every run on one kind of device: norms at
+    one, everything else small and normal. For benchmarks and tests that need no checkpoint."""
+    generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if isinstance(module, RMSNorm):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, DUMMY_STD, generator=generator)
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Create parameters directly in `dtype`, so a bfloat16 model never exists in float32 first."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _some(names: list[str], limit: int = 10) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more

@@ -1,0 +1,148 @@
+"""Llama, and Mistral which is the same network: pre-norm decoder layers of GQA attention with
+RoPE and a SiLU-gated MLP. Qwen2 and Qwen3 (qwen.py) reuse these classes with small changes.
+
+Tokens arrive flat, many requests concatenated: (num_tokens,) ids and positions, and the
+ForwardContext says which request each token belongs to and where its KV cache lives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ferry.attention.backend import ForwardContext
+from ferry.config import ModelConfig
+from ferry.layers.activation import SiluAndMul
+from ferry.layers.attention import Attention
+from ferry.layers.linear import MergedLinear
+from ferry.layers.norm import RMSNorm
+from ferry.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (num_tokens, head_dim)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        hidden_size = config.hf_config["hidden_size"]
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
+        self.qkv_proj = MergedLinear(hidden_size, sizes, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, hidden_size, bias=o_bias)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(num_tokens, hidden) -> q (num_tokens, num_heads, head_dim), k and v (num_tokens, num_kv_heads, head_dim)."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))  # (num_tokens, num_heads, head_dim)
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # (num_tokens, num_kv_heads, head_dim)
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # (num_tokens, num_kv_heads, head_dim)
+        return q, k, v
+
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.project_qkv(x)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), with gate and up in one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+        super().__init__()
+        sizes = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
+        self.gate_up_proj = MergedLinear(hidden_size, sizes, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, self_attn: nn.Module) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.self_attn = self_attn
+        self.mlp = LlamaMLP(hf["hidden_size"], hf["intermediate_size"], bias=hf.get("mlp_bias", False))
+        self.input_layernorm = RMSNorm(hf["hidden_size"], eps=hf["rms_norm_eps"])
+        self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps=hf["rms_norm_eps"])
+
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, layers: list[LlamaDecoderLayer]) -> None:
+        super().__init__()
+        hf = config.hf_config
+        self.embed_tokens = nn.Embedding(hf["vocab_size"], hf["hidden_size"])
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hf["hidden_size"], eps=hf["rms_norm_eps"])
+        self.rotary_emb = RotaryEmbedding(config.head_dim, rope_parameters(hf))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (num_tokens, hidden)
+        rope = self.rotary_emb(positions)
+        for layer in self.layers:
+            x = layer(x, rope, ctx)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The model runner's entry point: `forward` to hidden states, `compute_logits` on the rows it
+    samples from (usually one per request), so the vocab-sized matmul runs only where needed."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        hf = config.hf_config
+        _check_supported(config, self.sliding_window(hf))
+        layers = [LlamaDecoderLayer(config, self.make_attention(config, i)) for i in range(config.num_layers)]
+        self.model = LlamaModel(config, layers)
+        self.lm_head = nn.Linear(hf["hidden_size"], hf["vocab_size"], bias=False)
+        self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_attention(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        bias = config.hf_config.get("attention_bias", False)
+        return LlamaAttention(config, layer_idx, qkv_bias=bias, o_bias=bias)
+
+    @staticmethod
+    def sliding_window(hf_config: dict[str, Any]) -> int | None:
+        return None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: (num_tokens,) -> hidden states (num_tokens, hidden_size)."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(n, hidden_size) -> (n, vocab_size) float32."""
+        return self.lm_head(hidden).float()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama's network; Mistral 7B v0.1 adds a sliding attention window, which ferry honours by
+    refusing contexts longer than the window (where it would change nothing)."""
+
+    @staticmethod
+    def sliding_window(hf_config: dict[str, Any]) -> int | None:
+        return hf_config.get("sliding_window")
+
+
+def _check_supported(config: ModelConfig, sliding_window: int | None) -> None:
+    act = config.hf_config.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported; Llama-family models in ferry use 'silu'")
+    # A query attends to at most max_model_len keys (itself included), so a window at least that
+    # wide never masks anything and full causal attention is exact.
+    if sliding_window is not None and sliding_window < config.max_model_len:
+        raise ValueError(
+            f"{config.architecture} uses sliding-window attention (window {sliding_window}), which ferry "
+            f"does not implement; set max_model_len <= {sliding_window} (now {config.max_model_len})"
+        )
