@@ -1,0 +1,117 @@
+"""The sampler: one step's logits for every request that needs a token -> one token per request.
+
+Per row, in vLLM / Hugging Face order:
+
+    raw logits ─► penalties ─► bans (-inf) ─┬─► greedy rows: argmax
+                                            └─► others: / temperature ─► softmax ─► top-k
+                                                ─► top-p ─► min-p (truncation.py)
+                                                ─► inverse CDF at one uniform number
+    raw logits ─► log_softmax ─► logprobs, ranks, top logprobs (rows that ask)
+
+Every step is one tensor op over the rows that need it; Python loops only over rows to gather
+their parameters and over seeded rows to draw their random number.
+
+Each sampled row consumes exactly one uniform number, so a seeded request draws it from its own
+generator and gets the same tokens whatever its batch mates. One number per row, rather than an
+exponential race (argmax p / q with q ~ Exp(1) per token), because drawing a (rows, vocab) noise
+tensor costs more on a CPU than all the rest of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ferry.sample.logprobs import compute_logprobs
+from ferry.sample.metadata import RandomRowParams, SamplingRow
+from ferry.sample.penalties import apply_penalties_, apply_suppression_, needs_adjusting
+from ferry.sample.truncation import truncation_threshold
+
+
+@dataclass
+class SamplerOutput:
+    """Host lists, one entry per row, in the order of the rows."""
+
+    token_ids: list[int]
+    # Under the raw model distribution (see logprobs.py). The lists are None when no row asked
+    # for logprobs; otherwise their entries are None for the rows that did not.
+    logprobs: list[float | None] | None  # logprob of the chosen token
+    top_logprobs: list[list[tuple[int, float]] | None]  # params.logprobs most likely (token, logprob)
+    ranks: list[int | None] | None  # rank of the chosen token, 1 = most likely
+
+
+class Sampler:
+    """Chooses one token per row. Unseeded rows share one generator, seeded from `seed`, so a whole
+    run is reproducible given the same batches; seeded rows bring their own (`SamplingRow.generator`).
+    """
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """logits: (num_rows, vocab) on the generator's device, row i belongs to rows[i]; the
+        tensor is not modified."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"expected logits of shape ({len(rows)}, vocab), got {tuple(logits.shape)}")
+        _check_generators(rows)
+        logits = logits.float()  # no copy when already float32
+        token_ids = self._choose(logits, rows)  # (num_rows,) int64
+        reported = compute_logprobs(logits, token_ids, rows)
+        if reported is None:
+            return SamplerOutput(token_ids.tolist(), None, [None] * len(rows), None)
+        return SamplerOutput(token_ids.tolist(), reported.chosen, reported.top, reported.ranks)
+
+    def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """(num_rows, vocab) -> (num_rows,) int64 token ids, on the logits' device."""
+        if needs_adjusting(rows):
+            logits = apply_suppression_(apply_penalties_(logits.clone(), rows), rows)
+        sampled = [i for i, row in enumerate(rows) if not row.greedy]
+        if not sampled:
+            return logits.argmax(dim=-1)
+        if len(sampled) == len(rows):
+            return self._sample(logits, list(rows))
+        token_ids = logits.argmax(dim=-1)  # right for the greedy rows; the others are replaced
+        index = torch.tensor(sampled, device=logits.device)
+        token_ids[index] = self._sample(logits[index], [rows[i] for i in sampled])
+        return token_ids
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """logits: (R, vocab), not modified -> (R,) int64 token ids."""
+        params = RandomRowParams.from_rows(rows, logits.shape[-1], logits.device)
+        probs = (logits / params.temperature.unsqueeze(1)).softmax(dim=-1)  # (R, vocab)
+        if params.truncates:
+            probs.masked_fill_(probs < truncation_threshold(probs, params), 0.0)
+        return inverse_cdf(probs, self._uniforms(rows, logits.device))
+
+    def _uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+        """(R, 1) uniform numbers in [0, 1): rows with a generator draw from it, the rest from ours."""
+        u = torch.empty((len(rows), 1), device=device)
+        shared = [i for i, row in enumerate(rows) if row.generator is None]
+        if shared:
+            u[shared] = torch.rand((len(shared), 1), generator=self.generator, device=device)
+        own = [i for i, row in enumerate(rows) if row.generator is not None]
+        if own:
+            draws = [torch.rand(1, generator=rows[i].generator, device=device) for i in own]
+            u[own] = torch.stack(draws)
+        return u
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs (R, vocab) >= 0, not necessarily normalized; u (R, 1) in [0, 1) -> (R,) token ids.
+
+    Token j owns the interval [cdf[j-1], cdf[j]) of [0, total): a token of zero probability owns
+    an empty one, so it is never chosen, even where u is 0.
+    """
+    cdf = probs.cumsum(dim=-1)  # (R, vocab), non-decreasing
+    # u <= 1 - 2**-24 (torch.rand's float32 grid), so u * total rounds to below total and some
+    # cdf entry exceeds it.
+    x = u * cdf[:, -1:]  # (R, 1)
+    return torch.searchsorted(cdf, x, right=True).squeeze(1)
+
+
+def _check_generators(rows: Sequence[SamplingRow]) -> None:
+    for row in rows:
+        if row.params.seed is not None and row.generator is None and not row.greedy:
+            raise ValueError("a seeded request must bring its own generator (see request_generator)")
