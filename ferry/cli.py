@@ -21,6 +21,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -28,7 +29,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        load_format=args.load_format, seed=args.seed,
+        load_format=args.load_format, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
@@ -77,6 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--stop", action="append", default=None)
     add_engine_args(gen)
     gen.set_defaults(func=generate)
+
+    from ferry.server.cli import add_serve_command
+
+    add_serve_command(commands)
 
     args = parser.parse_args(argv)
     try:

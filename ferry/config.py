@@ -115,8 +115,9 @@ def _read_eos_token_ids(path: Path, hf_config: dict[str, Any]) -> tuple[int, ...
 class CacheConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from memory
+    enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_bytes: int = 2 << 30  # KV pool size on CPU when num_kv_blocks is not given
+    cpu_kv_cache_bytes: int = 1 << 30  # KV pool size on CPU when num_kv_blocks is not given
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -53,6 +53,7 @@ def fake_engine_config(
     max_num_batched_tokens: int = 32,
     max_model_len: int = 256,
     eos_token_ids: tuple[int, ...] = (),
+    enable_prefix_caching: bool = True,
 ) -> EngineConfig:
     model = ModelConfig(
         path=None, hf_config={"vocab_size": VOCAB, "architectures": ["Fake"]}, dtype=torch.float32,
@@ -60,7 +61,7 @@ def fake_engine_config(
     )
     return EngineConfig(
         model=model,
-        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks),
+        cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
     )
 

@@ -11,12 +11,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from ferry.core.prefix_cache import PrefixCache
+
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    """Free blocks may still hold cached K/V (prefix caching): such a block stays findable in the
+    prefix cache until `allocate` hands it out for other tokens, which evicts it; `share` takes it
+    back into use instead."""
+
+    def __init__(self, num_blocks: int, prefix_cache: PrefixCache | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.prefix_cache = prefix_cache
         self.ref_counts = [0] * num_blocks
         # An OrderedDict rather than a deque: reusing a cached block must take it out of the
         # middle of the queue in O(1).
@@ -38,7 +45,22 @@ class BlockPool:
         blocks = [self._free.popitem(last=False)[0] for _ in range(n)]
         for block in blocks:
             self.ref_counts[block] = 1
+            if self.prefix_cache is not None:
+                self.prefix_cache.forget(block)  # evicted: its old contents are about to go
         return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        """Take one more reference to each (cached) block, taking free ones out of the free queue."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+
+    def num_free_among(self, blocks: list[int]) -> int:
+        return sum(1 for block in blocks if self.ref_counts[block] == 0)
+
+    def is_free(self, block: int) -> bool:
+        return block in self._free
 
     def free(self, blocks: list[int]) -> None:
         """Drop one reference to each block; blocks that nobody uses any more join the free queue.

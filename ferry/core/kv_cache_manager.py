@@ -1,21 +1,44 @@
-"""Block tables: which KV blocks each request owns.
+"""Block tables: which KV blocks each request owns, and which of them it found in the prefix cache.
 
 Request r's token t lives in block `block_ids(r)[t // block_size]` at offset `t % block_size`.
 A request gets blocks as its computed tokens grow and gives them all back when it finishes or is
-preempted.
+preempted. With prefix caching, each block is registered under its chained hash as soon as it is
+scheduled full (its K/V are stored early in the very step that computes it, before any attention
+reads them, so a request admitted later in the same step may already share it), and a new request
+starts from the longest run of cached blocks that begins its tokens.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ferry.core.block_pool import BlockPool
+from ferry.core.prefix_cache import PrefixCache
 from ferry.core.request import Request
 
 
+@dataclass
+class PrefixHit:
+    """What a new request can reuse: blocks to share, how many tokens they cover, and, when the
+    whole prompt is cached, the block holding its last token, to be copied instead of shared (the
+    last token is recomputed for its logits, and its K/V slot must not be written in a shared block)."""
+
+    blocks: list[int]
+    num_tokens: int
+    copy_last_from: int | None = None
+
+
+NO_HIT = PrefixHit([], 0)
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, self.prefix_cache)
         self._blocks: dict[str, list[int]] = {}
+        self._num_registered: dict[str, int] = {}  # blocks of each request already in the cache
+        self._fresh: set[int] = set()  # blocks registered during the current schedule() call
 
     @property
     def num_blocks(self) -> int:
@@ -31,21 +54,105 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Make room for `num_new_tokens` more computed tokens. Returns the newly added block ids
-        (often none: the last block still has room), or None when the pool is too short; then
-        nothing was allocated."""
-        blocks = self._blocks.setdefault(request.request_id, [])
-        needed = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(blocks)
-        if needed <= 0:
-            return []
-        if needed > self.pool.num_free_blocks:
+    def begin_step(self) -> None:
+        self._fresh.clear()
+
+    # ---- prefix cache ----
+
+    def match_prefix(self, request: Request) -> PrefixHit:
+        """The longest run of cached blocks that starts `request`'s tokens (not yet taken)."""
+        cache = self.prefix_cache
+        # Prompt logprobs need the logits of every prompt position, which cached tokens lack.
+        if cache is None or request.sampling_params.prompt_logprobs is not None:
+            return NO_HIT
+        cache.hash_blocks(request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt)
+        blocks = []
+        for block_hash in request.block_hashes:
+            block = cache.lookup(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        hit = PrefixHit(blocks, len(blocks) * self.block_size)
+        if hit.num_tokens == request.num_tokens:
+            hit = self._recompute_last_token(hit)
+        else:
+            hit = self._match_partial_block(request, hit)
+        cache.queries += request.num_tokens
+        cache.hits += hit.num_tokens
+        return hit
+
+    def _match_partial_block(self, request: Request, hit: PrefixHit) -> PrefixHit:
+        """Extend a hit by the longest partial block a finished request left behind (to be copied)."""
+        start = hit.num_tokens
+        parent = request.block_hashes[len(hit.blocks) - 1] if hit.blocks else None
+        # At most block_size - 1 tokens, and never the prompt's last token (its logits are needed).
+        longest = min(self.block_size - 1, request.num_tokens - 1 - start)
+        for k in range(longest, 0, -1):
+            key = self.prefix_cache.hash_block(parent, request.all_token_ids[start:start + k], request.cache_salt)
+            block = self.prefix_cache.lookup_partial(key)
+            if block is not None:
+                return PrefixHit(hit.blocks, start + k, copy_last_from=block)
+        return hit
+
+    def _recompute_last_token(self, hit: PrefixHit) -> PrefixHit:
+        last = hit.blocks[-1]
+        if last in self._fresh:
+            # Computed in this very step: nothing to copy yet. Recompute the whole last block.
+            return PrefixHit(hit.blocks[:-1], hit.num_tokens - self.block_size)
+        return PrefixHit(hit.blocks[:-1], hit.num_tokens - 1, copy_last_from=last)
+
+    # ---- allocation ----
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit = NO_HIT) -> list[int] | None:
+        """Make room for `num_new_tokens` more computed tokens (after the `hit` tokens, for a request
+        being admitted). Returns the newly allocated block ids (often none: the last block still has
+        room), or None when the pool is too short; then nothing changed."""
+        blocks = self._blocks.get(request.request_id)
+        if blocks is None:
+            blocks = []
+        num_computed = max(request.num_computed_tokens, hit.num_tokens)
+        needed = self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(hit.blocks)
+        # Shared cached blocks that sit in the free queue stop being free once taken.
+        if max(needed, 0) + self.pool.num_free_among(hit.blocks) > self.pool.num_free_blocks:
             return None
-        new_blocks = self.pool.allocate(needed)
+        if hit.blocks:
+            self.pool.share(hit.blocks)
+            blocks.extend(hit.blocks)
+        new_blocks = self.pool.allocate(needed) if needed > 0 else []
         blocks.extend(new_blocks)
+        self._blocks[request.request_id] = blocks
+        if self.prefix_cache is not None:
+            self._register_full_blocks(request, blocks, num_computed + num_new_tokens)
         return new_blocks
+
+    def _register_full_blocks(self, request: Request, blocks: list[int], num_tokens: int) -> None:
+        cache = self.prefix_cache
+        num_full = num_tokens // self.block_size
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        cache.hash_blocks(request.all_token_ids[: num_full * self.block_size], self.block_size,
+                          request.block_hashes, request.cache_salt)
+        for i in range(start, num_full):
+            if not cache.is_cached(blocks[i]):
+                cache.insert(request.block_hashes[i], blocks[i])
+                self._fresh.add(blocks[i])
+        self._num_registered[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, None)
-        if blocks:
-            self.pool.free(blocks[::-1])
+        self._num_registered.pop(request.request_id, None)
+        if not blocks:
+            return
+        if self.prefix_cache is not None:
+            self._register_partial_block(request, blocks)
+        self.pool.free(blocks[::-1])
+
+    def _register_partial_block(self, request: Request, blocks: list[int]) -> None:
+        num_full, k = divmod(request.num_computed_tokens, self.block_size)
+        if k == 0 or num_full >= len(blocks):
+            return
+        parent = request.block_hashes[num_full - 1] if num_full else None
+        start = num_full * self.block_size
+        key = self.prefix_cache.hash_block(parent, request.all_token_ids[start:start + k], request.cache_salt)
+        self.prefix_cache.insert_partial(key, blocks[num_full])

@@ -39,6 +39,9 @@ class SchedulerOutput:
     num_scheduled_tokens: int
     # Requests the runner should forget: finished, aborted or preempted since the last step.
     finished_request_ids: set[str] = field(default_factory=set)
+    # (source, destination) KV blocks to copy before the forward: a fully cached prompt's last
+    # block, which its request must own to recompute its last token (see core/kv_cache_manager.py).
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

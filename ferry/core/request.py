@@ -34,7 +34,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_token_ids", "sampling_params", "all_token_ids", "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "status", "finish_reason", "stop_reason",
-        "max_tokens", "eos_token_ids", "arrival_time", "num_preemptions",
+        "max_tokens", "eos_token_ids", "arrival_time", "num_preemptions", "cache_salt", "block_hashes",
     )
 
     def __init__(
@@ -45,6 +45,7 @@ class Request:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -62,6 +63,10 @@ class Request:
         self.eos_token_ids = () if sampling_params.ignore_eos else eos_token_ids
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.num_preemptions = 0
+        # Prefix caching: a salt keeps this request's cached blocks apart from other tenants', and
+        # block_hashes[i] keys the i-th full block of all_token_ids (see core/prefix_cache.py).
+        self.cache_salt = cache_salt
+        self.block_hashes: list[bytes] = []
 
     @property
     def num_tokens(self) -> int:

@@ -82,6 +82,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        copy_blocks: list[tuple[int, int]] = []
+        self.kv_cache.begin_step()
         preemptions_before = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
@@ -96,11 +98,12 @@ class Scheduler:
             i += 1
         # Admitting new work right after a preemption would only thrash the pool.
         if self.num_preemptions == preemptions_before:
-            budget = self._admit_waiting(budget, scheduled)
+            budget = self._admit_waiting(budget, scheduled, copy_blocks)
         return SchedulerOutput(
             scheduled=scheduled,
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_request_ids=self._take_finished_ids(),
+            copy_blocks=copy_blocks,
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
@@ -132,15 +135,23 @@ class Scheduler:
         self._finished_ids.add(request.request_id)  # the runner drops its state; it starts anew
         self.waiting.appendleft(request)
 
-    def _admit_waiting(self, budget: int, scheduled: list[ScheduledRequest]) -> int:
+    def _admit_waiting(
+        self, budget: int, scheduled: list[ScheduledRequest], copy_blocks: list[tuple[int, int]]
+    ) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            new_blocks = self.kv_cache.allocate_slots(request, num_new)
+            hit = self.kv_cache.match_prefix(request)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            new_blocks = self.kv_cache.allocate_slots(request, num_new, hit)
             if new_blocks is None:
                 break  # first come, first served: nobody overtakes the head of the queue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = hit.num_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = hit.num_tokens
+            if hit.copy_last_from is not None:
+                copy_blocks.append((hit.copy_last_from, new_blocks[0]))
             self.running.append(request)
             self._finished_ids.discard(request.request_id)
             scheduled.append(self._scheduled(request, num_new, new_blocks, new=True))

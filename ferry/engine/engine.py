@@ -25,7 +25,8 @@ from ferry.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from ferry.tokenizer import Tokenizer
 
-# A prompt is text, or token ids given as {"prompt_token_ids": [...]} (vLLM's form).
+# A prompt is text, or a dict (vLLM's form): {"prompt_token_ids": [...]} or {"prompt": "..."}, with
+# an optional "cache_salt" that keeps its prefix-cache entries apart from other tenants'.
 PromptType = str | dict[str, Any]
 
 
@@ -34,7 +35,9 @@ class LLMEngine:
         self.config = config
         self.model_runner = model_runner
         self.tokenizer = tokenizer
-        kv_cache = KVCacheManager(model_runner.num_kv_blocks, config.cache.block_size)
+        kv_cache = KVCacheManager(
+            model_runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, kv_cache)
         self.output_processor = OutputProcessor(tokenizer)
         self.eos_token_ids = config.model.eos_token_ids or (
@@ -61,13 +64,14 @@ class LLMEngine:
         unchanged then."""
         text, token_ids = self._tokenize(prompt)
         self._validate(request_id, token_ids, params)
+        cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params)
         try:
             for index, child_id in enumerate(child_ids):
                 child_params = params if params.n == 1 else _child_params(params, index)
                 self.scheduler.add_request(Request(
                     child_id, token_ids, child_params, self.config.model.max_model_len,
-                    self.eos_token_ids, arrival_time,
+                    self.eos_token_ids, arrival_time, cache_salt,
                 ))
         except ValueError:
             self.abort_request(request_id)
@@ -80,6 +84,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json: give prompts as {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+            return self._tokenize(prompt["prompt"])
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             token_ids = prompt["prompt_token_ids"]
             if not isinstance(token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
@@ -142,6 +148,7 @@ def make_engine_config(
     gpu_memory_utilization: float = 0.9,
     seed: int = 0,
     load_format: str = "auto",
+    enable_prefix_caching: bool = True,
 ) -> EngineConfig:
     """The engine's configuration from `LLM`'s keyword arguments."""
     model_config = ModelConfig.from_pretrained(model, dtype, max_model_len, load_format)
@@ -149,7 +156,7 @@ def make_engine_config(
         max_num_batched_tokens = max(8192, min(model_config.max_model_len, 16384)) if device != "cpu" else 2048
     return EngineConfig(
         model=model_config,
-        cache=CacheConfig(block_size, num_kv_blocks, gpu_memory_utilization),
+        cache=CacheConfig(block_size, num_kv_blocks, enable_prefix_caching, gpu_memory_utilization),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_config.max_model_len),
         device=device,
         seed=seed,

@@ -68,6 +68,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self.update_states(scheduler_output)
+        if scheduler_output.copy_blocks:
+            self.copy_blocks(scheduler_output.copy_blocks)
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [])
         inputs = self.prepare_inputs(scheduler_output.scheduled)
@@ -87,6 +89,12 @@ class ModelRunner:
                 )
             elif item.new_block_ids:
                 self._states[item.request_id].block_ids.extend(item.new_block_ids)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for kv_cache in self.kv_caches:  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+            kv_cache[:, dst] = kv_cache[:, src]
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         return None if params.seed is None else torch.Generator(device=self.device)
