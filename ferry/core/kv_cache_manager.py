@@ -109,9 +109,14 @@ class KVCacheManager:
         room), or None when the pool is too short; then nothing changed."""
         blocks = self._blocks.get(request.request_id)
         if blocks is None:
-            blocks = []
+            blocks = self._blocks[request.request_id] = []
         num_computed = max(request.num_computed_tokens, hit.num_tokens)
-        needed = self.blocks_needed(num_computed + num_new_tokens) - len(blocks) - len(hit.blocks)
+        num_tokens = num_computed + num_new_tokens
+        needed = -(-num_tokens // self.block_size) - len(blocks) - len(hit.blocks)
+        if needed <= 0 and not hit.blocks:  # the common decode step: the last block has room
+            if self.prefix_cache is not None and num_tokens % self.block_size == 0:
+                self._register_full_blocks(request, blocks, num_tokens)
+            return []
         # Shared cached blocks that sit in the free queue stop being free once taken.
         if max(needed, 0) + self.pool.num_free_among(hit.blocks) > self.pool.num_free_blocks:
             return None
@@ -120,9 +125,8 @@ class KVCacheManager:
             blocks.extend(hit.blocks)
         new_blocks = self.pool.allocate(needed) if needed > 0 else []
         blocks.extend(new_blocks)
-        self._blocks[request.request_id] = blocks
         if self.prefix_cache is not None:
-            self._register_full_blocks(request, blocks, num_computed + num_new_tokens)
+            self._register_full_blocks(request, blocks, num_tokens)
         return new_blocks
 
     def _register_full_blocks(self, request: Request, blocks: list[int], num_tokens: int) -> None:

@@ -60,7 +60,10 @@ class _RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        for c in self.completions:
+            if c.finish_reason is None:
+                return False
+        return True
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -136,10 +139,11 @@ class OutputProcessor:
         for state in touched.values():
             if state.first_token_time is None and any(c.token_ids for c in state.completions):
                 state.first_token_time = now
-            output = self._make_output(state)
+            finished = state.finished
+            output = self._make_output(state, finished)
             if output is not None:
                 outputs.append(output)
-            if state.finished:
+            if finished:
                 del self._requests[state.request_id]
         return outputs, stopped
 
@@ -208,9 +212,9 @@ class OutputProcessor:
     def _decode_token(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _make_output(self, state: _RequestState) -> RequestOutput | None:
+    def _make_output(self, state: _RequestState, finished: bool) -> RequestOutput | None:
         kind = state.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not state.finished:
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         if kind is RequestOutputKind.DELTA:
             completions = [self._delta(c) for c in state.completions]
@@ -221,10 +225,10 @@ class OutputProcessor:
             prompt=state.prompt,
             prompt_token_ids=state.prompt_token_ids,
             outputs=completions,
-            finished=state.finished,
+            finished=finished,
             prompt_logprobs=state.prompt_logprobs,
             num_cached_tokens=state.num_cached_tokens,
-            metrics=self._metrics(state),
+            metrics=self._metrics(state) if finished else {},
         )
 
     @staticmethod

@@ -7,6 +7,7 @@ carries the changes.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,14 +147,14 @@ class ModelRunner:
         )
 
     def _block_table(self, scheduled: list[ScheduledRequest], seq_lens: np.ndarray) -> np.ndarray:
-        """(num_reqs, max_blocks) block ids; only the blocks that hold context are filled."""
-        bs = self.block_size
-        max_blocks = int(-(-seq_lens.max() // bs))
-        table = np.zeros((len(scheduled), max_blocks), np.int64)
-        for i, item in enumerate(scheduled):
-            blocks = self._states[item.request_id].block_ids
-            n = min(len(blocks), max_blocks)
-            table[i, :n] = blocks[:n]
+        """(num_reqs, max_blocks) block ids, rows padded with 0 (never read: past seq_len)."""
+        tables = [self._states[item.request_id].block_ids for item in scheduled]
+        lengths = np.fromiter(map(len, tables), np.int64, len(tables))
+        table = np.zeros((len(tables), int(lengths.max())), np.int64)
+        # Row i's first lengths[i] entries, filled in one vectorized assignment.
+        table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(tables), np.int64, int(lengths.sum())
+        )
         return table
 
     # ---- sampling ----
