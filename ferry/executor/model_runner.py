@@ -226,7 +226,7 @@ def _logprobs_of(result: SamplerOutput, rows: list[SamplingRow]) -> list[Logprob
 def build_model_runner(config: EngineConfig) -> ModelRunner:
     """Load the model, size and allocate the KV cache, and pick the attention backend."""
     from ferry.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
-    from ferry.attention.torch_ref import TorchReferenceBackend
+    from ferry.attention.selector import get_attention_backend
     from ferry.loader.loader import load_model
     from ferry.sample import Sampler
 
@@ -235,7 +235,8 @@ def build_model_runner(config: EngineConfig) -> ModelRunner:
     model = load_model(config.model, device)
     num_blocks = _num_kv_blocks(config, kv_cache_bytes_per_block(config.model, config.cache.block_size))
     kv_caches = allocate_kv_caches(config.model, num_blocks, config.cache.block_size, device)
-    return ModelRunner(config, model, kv_caches, TorchReferenceBackend(), Sampler(seed=config.seed, device=device))
+    backend = get_attention_backend(device)
+    return ModelRunner(config, model, kv_caches, backend, Sampler(seed=config.seed, device=device))
 
 
 def _num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:

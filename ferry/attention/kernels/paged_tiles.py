@@ -1,0 +1,67 @@
+"""The two pieces the paged attention kernels share: a K/V tile read through a block table, and one
+step of the online softmax. Both are `@triton.jit` helpers, inlined into the kernels that call them.
+
+Reading a tile of BLOCK_N consecutive key positions of one request and one KV head:
+
+    key position p  ->  block = block_table[p // PAGE_SIZE], offset = p % PAGE_SIZE
+    K row at  cache + block * stride_block + offset * stride_tok + kv_head * stride_head + [0, head_dim)
+    V row at  the same + stride_kv
+
+    block_table row:  [ 7 | 2 | 9 | ... ]       PAGE_SIZE = 4, BLOCK_N = 8
+    positions:          0 1 2 3 4 5 6 7
+    blocks read:        7 7 7 7 2 2 2 2
+
+Each K row is head_dim contiguous elements (256 bytes for head_dim 128 in bf16), so the load is
+coalesced along head_dim whatever the page size; BLOCK_N need not match the page size, because
+every row looks its block up separately (rows of one page hit the same table entry, which the
+cache serves).
+
+Scores are kept in log2 units (scaled by softmax_scale * log2(e)) so the exponentials are `exp2`,
+one hardware instruction; the log-sum-exp a kernel reports is in the same units.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2_E = 1.4426950408889634  # softmax(x) = 2 ** (x * log2(e)) / sum(...)
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr, block_table_ptr,  # block_table_ptr: this request's row of the block table
+    pos, in_bounds,  # (BLOCK_N,) key positions, and which of them exist
+    kv_head, dims, dim_mask,  # dims: (BLOCK_D,) arange; dim_mask: dims < head_dim
+    stride_kv, stride_block, stride_tok, stride_head,
+    PAGE_SIZE: tl.constexpr,
+):
+    """K and V at key positions `pos`, each (BLOCK_N, BLOCK_D); positions out of bounds read as 0."""
+    block = tl.load(block_table_ptr + pos // PAGE_SIZE, mask=in_bounds, other=0).to(tl.int64)
+    row = block * stride_block + (pos % PAGE_SIZE) * stride_tok + kv_head * stride_head  # (BLOCK_N,) int64
+    ptrs = cache_ptr + row[:, None] + dims[None, :]
+    mask = in_bounds[:, None] & dim_mask[None, :]
+    k = tl.load(ptrs, mask=mask, other=0.0)
+    v = tl.load(ptrs + stride_kv, mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def online_softmax_step(acc, row_sum, row_max, scores, v, DOT_PRECISION: tl.constexpr):
+    """Fold one tile into the running softmax-weighted sum of values.
+
+    acc (M, D) fp32: sum of 2**(s - row_max) * v so far; row_sum (M,): sum of 2**(s - row_max);
+    row_max (M,): largest score so far; scores (M, N) fp32 in log2 units, -inf where masked;
+    v (N, D). When the maximum grows, the old sums are rescaled by 2**(old_max - new_max).
+    Callers guarantee every row meets a finite score in its first tile, so row_max is finite
+    from then on and no -inf - (-inf) = NaN arises.
+    """
+    new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+    alpha = tl.exp2(row_max - new_max)
+    p = tl.exp2(scores - new_max[:, None])  # (M, N)
+    row_sum = row_sum * alpha + tl.sum(p, axis=1)
+    # p goes to the values' dtype for the tensor cores (as flash attention does); the products
+    # are still summed in fp32.
+    acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, row_sum, new_max
+

@@ -1,0 +1,85 @@
+"""Write this step's keys and values into the paged KV cache (vLLM's `reshape_and_cache`).
+
+A token's K (and V) is one row of `num_kv_heads * head_dim` contiguous elements, and so is its slot
+in the cache, because the cache of a layer is laid out
+
+    (2, num_blocks, block_size, num_kv_heads, head_dim)   contiguous
+         slot = block * block_size + offset  ->  K row at slot * (num_kv_heads * head_dim),
+                                                 V row at the same offset + kv_cache.stride(0)
+
+so a program copies a (BLOCK_T tokens, row) tile of K and one of V, each row to its own slot.
+Slot -1 marks a padding row (a fixed-size batch carries some): its row is masked out, never written.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ferry.attention.kernels.launch import floor_power_of_2, num_multiprocessors
+
+# One warp moves 32 lanes x 16 bytes = 512 bytes per vector instruction.
+_BYTES_PER_WARP = 32 * 16
+# Programs per multiprocessor before tokens are batched into one program: four give each SM work
+# to overlap memory latency with; beyond that, more tokens per program amortize its fixed cost
+# (the slot loads and address math). A decode batch therefore keeps one token per program.
+_PROGRAMS_PER_SM = 4
+_MAX_TOKENS_PER_PROGRAM = 16
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, cache_ptr, slot_mapping_ptr, num_tokens,
+    stride_k_tok, stride_v_tok,
+    stride_cache_kv,  # elements from the K half of the cache to the V half
+    ROW: tl.constexpr,  # num_kv_heads * head_dim
+    BLOCK_T: tl.constexpr, BLOCK_ROW: tl.constexpr,  # BLOCK_ROW: ROW rounded up to a power of two
+):
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # int64 slots: slot * ROW passes 2**31 in caches over 4 GB.
+    slots = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1)
+    cols = tl.arange(0, BLOCK_ROW)  # contiguous on both sides: 16-byte vector loads and stores
+    mask = (slots >= 0)[:, None] & (cols < ROW)[None, :]
+    k = tl.load(k_ptr + tokens[:, None] * stride_k_tok + cols[None, :], mask=mask)
+    v = tl.load(v_ptr + tokens[:, None] * stride_v_tok + cols[None, :], mask=mask)
+    dst = cache_ptr + slots[:, None] * ROW + cols[None, :]
+    # tl.store casts to the cache's dtype, as the reference's `.to(kv_cache.dtype)` does.
+    tl.store(dst, k, mask=mask)
+    tl.store(dst + stride_cache_kv, v, mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write k[t], v[t] at flat slot slot_mapping[t]; slot -1 is skipped.
+
+    k, v: (num_tokens, num_kv_heads, head_dim), each token's heads contiguous (as views split out
+    of a fused qkv projection are); kv_cache: contiguous (2, num_blocks, block_size, num_kv_heads,
+    head_dim); slot_mapping: (num_tokens,) int64.
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    assert kv_cache.is_contiguous(), "the slot arithmetic assumes a contiguous cache"
+    k, v = _rows_contiguous(k), _rows_contiguous(v)
+    row = num_kv_heads * head_dim
+    block_t = _tokens_per_program(num_tokens, k.device)
+    tile_bytes = block_t * row * kv_cache.element_size()
+    _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
+        k, v, kv_cache, slot_mapping, num_tokens,
+        k.stride(0), v.stride(0),
+        kv_cache.stride(0),
+        ROW=row, BLOCK_T=block_t, BLOCK_ROW=triton.next_power_of_2(row),
+        # One warp per 512 bytes of the tile: each lane moves one 16-byte vector per tensor.
+        num_warps=max(1, min(8, tile_bytes // _BYTES_PER_WARP)),
+    )
+
+
+def _rows_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """The kernel reads a token's (num_kv_heads, head_dim) as one contiguous row."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
+def _tokens_per_program(num_tokens: int, device: torch.device) -> int:
+    per_program = num_tokens // (_PROGRAMS_PER_SM * num_multiprocessors(device))
+    return min(_MAX_TOKENS_PER_PROGRAM, floor_power_of_2(max(1, per_program)))
+

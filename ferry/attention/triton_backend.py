@@ -1,0 +1,53 @@
+"""The Triton attention backend: store K/V, then one attention kernel for the whole batch.
+
+A step whose requests all bring one token (max_query_len == 1) runs the decode kernel, which splits
+long contexts across the GPU. Any other step, mixed batches included, runs the varlen kernel once
+over every request: its decode rows are just requests with query_len 1 (one tile each, the GROUP
+query heads of a KV head filling that tile's rows). Splitting a mixed batch into a decode launch
+and a prefill launch would need per-step index tensors built and copied to the device, and would
+pay off only for long-context decode rows beside a prefill chunk, whose time the chunk dominates.
+
+No host-device synchronization: the launch sizes come from the metadata's host-side values
+(max_query_len, max_seq_len, query_start_loc_cpu, seq_lens_cpu), never from device tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ferry.attention.backend import AttentionBackend, AttentionMetadata
+from ferry.attention.kernels.decode_attention import choose_num_splits, decode_attention
+from ferry.attention.kernels.prefill_attention import prefill_attention
+from ferry.attention.kernels.store_kv import store_kv
+
+
+class TritonAttentionBackend(AttentionBackend):
+    def forward(
+        self,
+        q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+        k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+        kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
+        store_kv(k, v, kv_cache, metadata.slot_mapping)
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out = torch.empty_like(q)
+        num_real = metadata.query_start_loc_cpu[-1] if metadata.num_reqs else 0
+        # Rows past the last request (padding) are attended by no one and stay zero.
+        out[num_real:].zero_()
+        if num_real == 0:
+            return out
+        if metadata.max_query_len == 1:
+            # Every request brings exactly one token, so request i owns row i.
+            num_splits = choose_num_splits(metadata.num_reqs, kv_cache.shape[3], metadata.max_seq_len, q.device)
+            decode_attention(
+                q[:num_real], kv_cache, metadata.block_tables, metadata.seq_lens, scale, out[:num_real], num_splits
+            )
+        else:
+            prefill_attention(
+                q, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
+                num_real, scale, out,
+            )
+        return out

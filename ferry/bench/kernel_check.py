@@ -1,0 +1,334 @@
+"""Check the Triton attention kernels on a GPU: correctness against the torch reference, then speed.
+
+    python -m ferry.bench.kernel_check            # CUDA: correctness sweep, decode and prefill timings
+    python -m ferry.bench.kernel_check --sweep    # also time a few launch configurations of each kernel
+    python -m ferry.bench.kernel_check --compile  # anywhere (no GPU needed): compile for sm_90 and
+                                                  # print registers, spills and shared memory
+
+Correctness covers GQA ratios 1/4/8, block sizes 16 and 32, contexts from 1 to 32k tokens and mixed
+batches (prefill chunks after long cached prefixes beside decode rows), in bf16. Decode is timed on
+the attention shapes of Qwen3-0.6B and Llama-3.1-8B (benchmarks/*/config.json): decode must read
+every cached K and V once, so its figure is the achieved bandwidth of that read against the
+device-to-device copy bandwidth measured in the same run. Prefill of one 8192-token prompt is timed
+in TFLOP/s, next to torch's fused SDPA on the same (unpaged) data and a bf16 matmul.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+
+from ferry.attention.backend import AttentionMetadata
+from ferry.config import ModelConfig
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+# Scores of spread 3 (q scaled by 3) make a few keys dominate each softmax, so a wrong mask or a
+# missed key moves the output far more than bf16 rounding does, even over 32k keys.
+PEAKY = 3.0
+BF16_TOL = 2e-2
+
+
+# ---- building a step ----
+
+
+def make_step(chunks, num_heads, num_kv_heads, head_dim, block_size, dtype, device, q_scale=1.0, seed=0):
+    """q, k, v, a random cache and metadata for one step in which request i brings tokens
+    chunks[i] = (num_computed, num_new); blocks are handed out in shuffled order."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    needed = [-(-(c + n) // block_size) for c, n in chunks]
+    pool = torch.randperm(sum(needed), generator=g, device=device).tolist()
+    tables, start = [], 0
+    for n in needed:
+        tables.append(pool[start:start + n])
+        start += n
+    width = max(needed)
+    slots, qsl = [], [0]
+    for (computed, new), table in zip(chunks, tables):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(computed, computed + new)]
+        qsl.append(qsl[-1] + new)
+    seq_lens = [c + n for c, n in chunks]
+    as_tensor = lambda x, dtype: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
+    metadata = AttentionMetadata(
+        slot_mapping=as_tensor(slots, torch.int64),
+        query_start_loc=as_tensor(qsl, torch.int32),
+        seq_lens=as_tensor(seq_lens, torch.int32),
+        block_tables=as_tensor([t + [0] * (width - len(t)) for t in tables], torch.int32),
+        max_query_len=max(n for _, n in chunks),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=seq_lens,
+    )
+    randn = lambda *shape: torch.randn(*shape, generator=g, device=device, dtype=dtype)  # noqa: E731
+    q = randn(qsl[-1], num_heads, head_dim) * q_scale
+    k, v = randn(qsl[-1], num_kv_heads, head_dim), randn(qsl[-1], num_kv_heads, head_dim)
+    cache = randn(2, sum(needed), block_size, num_kv_heads, head_dim)
+    return q, k, v, cache, metadata
+
+
+# ---- correctness ----
+
+SWEEP_KV_HEADS, SWEEP_HEAD_DIM = 4, 128
+DECODE_CONTEXTS = [1, 2, 17, 1000, 4095, 8192, 16384, 32768]
+MIXED_CHUNKS = [(32768 - 512, 512), (0, 2048), (8000, 192), (4095, 1), (0, 1), (16384, 1), (100, 300), (31, 33)]
+
+
+def check_correctness(device) -> list[tuple[str, float, float, bool]]:
+    from ferry.attention.torch_ref import TorchReferenceBackend
+    from ferry.attention.triton_backend import TritonAttentionBackend
+
+    rows = []
+    for group in (1, 4, 8):
+        for block_size in (16, 32):
+            for name, chunks in (("decode", [(n - 1, 1) for n in DECODE_CONTEXTS]), ("mixed", MIXED_CHUNKS)):
+                q, k, v, cache, md = make_step(
+                    chunks, SWEEP_KV_HEADS * group, SWEEP_KV_HEADS, SWEEP_HEAD_DIM, block_size,
+                    torch.bfloat16, device, q_scale=PEAKY,
+                )
+                scale = SWEEP_HEAD_DIM**-0.5
+                ref_cache, cache = cache.clone(), cache
+                expected = TorchReferenceBackend().forward(q, k, v, ref_cache, md, scale).float()
+                out = TritonAttentionBackend().forward(q, k, v, cache, md, scale).float()
+                max_err = (out - expected).abs().max().item()
+                rel_l2 = ((out - expected).norm() / expected.norm()).item()
+                ok = torch.allclose(out, expected, atol=BF16_TOL, rtol=BF16_TOL) and torch.equal(cache, ref_cache)
+                rows.append((f"{name:6s} gqa {group} block {block_size:2d}", max_err, rel_l2, ok))
+    return rows
+
+
+# ---- timing ----
+
+
+def copy_bandwidth(device) -> float:
+    """Device-to-device copy, bytes read plus written per second, on 1 GiB (far above L2)."""
+    from triton.testing import do_bench
+
+    src = torch.empty(1 << 29, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def matmul_tflops(device) -> float:
+    from triton.testing import do_bench
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    ms = do_bench(lambda: a @ a)
+    return 2 * 8192**3 / (ms * 1e-3) / 1e12
+
+
+def time_decode(model: ModelConfig, batch: int, context: int, block_size: int, device, config=None) -> tuple[float, float]:
+    """(ms, GB/s of K/V read) of one layer's decode attention, split-K chosen as the backend does."""
+    from triton.testing import do_bench
+
+    from ferry.attention.kernels.decode_attention import DecodeConfig, choose_num_splits, decode_attention
+
+    q, _, _, cache, md = make_step(
+        [(context - 1, 1)] * batch, model.num_heads, model.num_kv_heads, model.head_dim, block_size,
+        torch.bfloat16, device,
+    )
+    out = torch.empty_like(q)
+    splits = choose_num_splits(batch, model.num_kv_heads, context, q.device)
+    run = lambda: decode_attention(  # noqa: E731
+        q, cache, md.block_tables, md.seq_lens, model.head_dim**-0.5, out, splits, config or DecodeConfig()
+    )
+    ms = do_bench(run)
+    kv_bytes = 2 * batch * context * model.num_kv_heads * model.head_dim * cache.element_size()
+    return ms, kv_bytes / (ms * 1e-3) / 1e9
+
+
+def time_prefill(model: ModelConfig, prompt: int, block_size: int, device, config=None) -> tuple[float, float]:
+    """(ms, TFLOP/s) of one layer's causal attention over one prompt, read through the paged cache."""
+    from triton.testing import do_bench
+
+    from ferry.attention.kernels.prefill_attention import PrefillConfig, prefill_attention
+
+    q, _, _, cache, md = make_step(
+        [(0, prompt)], model.num_heads, model.num_kv_heads, model.head_dim, block_size, torch.bfloat16, device
+    )
+    out = torch.empty_like(q)
+    run = lambda: prefill_attention(  # noqa: E731
+        q, cache, md.block_tables, md.query_start_loc, md.seq_lens, prompt, model.head_dim**-0.5, out,
+        config or PrefillConfig(),
+    )
+    ms = do_bench(run)
+    return ms, causal_flops(model, prompt) / (ms * 1e-3) / 1e12
+
+
+def causal_flops(model: ModelConfig, prompt: int) -> float:
+    """QK^T and PV, 2 FLOPs per multiply-add each, over the n(n+1)/2 visible (query, key) pairs."""
+    return 4 * model.num_heads * model.head_dim * prompt * (prompt + 1) / 2
+
+
+def time_sdpa(model: ModelConfig, prompt: int, device) -> float | None:
+    """TFLOP/s of torch's fused causal SDPA on contiguous (1, heads, prompt, head_dim) tensors."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    q = torch.randn(1, model.num_heads, prompt, model.head_dim, dtype=torch.bfloat16, device=device)
+    k = torch.randn(1, model.num_kv_heads, prompt, model.head_dim, dtype=torch.bfloat16, device=device)
+    group = model.num_heads // model.num_kv_heads
+    try:
+        run = lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)  # noqa: E731
+        run()
+    except TypeError:  # torch without enable_gqa
+        k = k.repeat_interleave(group, dim=1)
+        run = lambda: F.scaled_dot_product_attention(q, k, k, is_causal=True)  # noqa: E731
+    ms = do_bench(run)
+    return causal_flops(model, prompt) / (ms * 1e-3) / 1e12
+
+
+DECODE_SHAPES = [(1, 1024), (1, 8192), (1, 32768), (32, 4096), (128, 2048), (256, 1024)]
+
+
+def decode_table(models, device, copy_gbs) -> list[str]:
+    lines = [f"{'decode (one layer)':34s} {'splits':>6s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}"]
+    from ferry.attention.kernels.decode_attention import choose_num_splits
+
+    for name, model in models.items():
+        for batch, context in DECODE_SHAPES:
+            ms, gbs = time_decode(model, batch, context, 16, device)
+            splits = choose_num_splits(batch, model.num_kv_heads, context, torch.device(device))
+            label = f"{name} bs {batch} ctx {context}"
+            lines.append(f"{label:34s} {splits:6d} {ms:8.4f} {gbs:8.0f} {gbs / copy_gbs:8.0%}")
+    return lines
+
+
+def sweep(models, device) -> list[str]:
+    """A few launch configurations of each kernel, on shapes that stress each."""
+    from ferry.attention.kernels.decode_attention import DecodeConfig
+    from ferry.attention.kernels.prefill_attention import PrefillConfig
+
+    llama = models["llama-3.1-8b"]
+    lines = [f"{'decode config (llama)':40s} {'bs1 32k GB/s':>13s} {'bs128 2k GB/s':>14s}"]
+    for block_n in (32, 64, 128):
+        for num_warps in (4, 8):
+            for num_stages in (2, 3, 4):
+                config = DecodeConfig(block_n, num_warps, num_stages)
+                try:
+                    a = f"{time_decode(llama, 1, 32768, 16, device, config)[1]:13.0f}"
+                    b = f"{time_decode(llama, 128, 2048, 16, device, config)[1]:14.0f}"
+                except Exception as e:  # out of shared memory, say
+                    a, b = type(e).__name__, ""
+                lines.append(f"{str(config):40s} {a:>13s} {b:>14s}")
+    lines.append(f"{'prefill config (llama, 8192 tokens)':52s} {'TFLOP/s':>8s}")
+    for block_m in (64, 128):
+        for block_n in (32, 64, 128):
+            for num_stages in (2, 3):
+                config = PrefillConfig(block_m, block_n, 8 if block_m == 128 else 4, num_stages)
+                try:
+                    tflops = f"{time_prefill(llama, 8192, 16, device, config)[1]:8.0f}"
+                except Exception as e:  # out of shared memory, say
+                    tflops = type(e).__name__
+                lines.append(f"{str(config):52s} {tflops:>8s}")
+    return lines
+
+
+# ---- compiling without a GPU ----
+
+
+def compile_report() -> list[str]:
+    """Compile the kernels for sm_90 at the benchmark shapes, as the JIT would at launch (16-byte
+    aligned pointers, strides divisible by 16), and read ptxas's register and spill counts."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ferry.attention.kernels import decode_attention as decode, prefill_attention as prefill, store_kv
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+    def build(kernel, args: dict, constexprs: dict, num_warps: int, num_stages: int) -> str:
+        signature = {**args, **{name: "constexpr" for name in constexprs}}
+        attrs = {
+            (i,): [["tt.divisibility", 16]]
+            for i, (name, kind) in enumerate(signature.items())
+            if kind.startswith("*") or name.startswith("stride")
+        }
+        src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(compiled.asm["ptx"])
+        info = subprocess.run([str(ptxas), "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull], capture_output=True, text=True).stderr
+        os.unlink(f.name)
+        regs = re.search(r"Used (\d+) registers", info)
+        spills = re.search(r"(\d+) bytes spill stores", info)
+        return f"{regs.group(1) if regs else '?':>5s} regs {spills.group(1) if spills else '?':>5s} B spilled {compiled.metadata.shared // 1024:4d} KB smem"
+
+    def strides(*names):
+        return {name: "i32" for name in names}
+
+    lines = []
+    decode_cfg, prefill_cfg = decode.DecodeConfig(), prefill.PrefillConfig()
+    for group, page in ((2, 16), (4, 16), (8, 32)):
+        args = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+                "out_ptr": "*bf16", "lse_ptr": "*fp32", "scale_log2": "fp32", "num_splits": "i32",
+                **strides("stride_q_req", "stride_q_head", "stride_cache_kv", "stride_cache_block",
+                          "stride_cache_tok", "stride_cache_head", "stride_table_req", "stride_out_req",
+                          "stride_out_head", "stride_out_split", "stride_lse_req", "stride_lse_head")}
+        consts = dict(GROUP=group, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=page,
+                      BLOCK_N=decode_cfg.block_n, DOT_PRECISION="tf32")
+        lines.append(f"{f'decode gqa {group} block {page}':26s}" + build(decode._decode_split_kernel, args, consts, decode_cfg.num_warps, decode_cfg.num_stages))
+        args = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "scale_log2": "fp32", "num_reqs": "i32",
+                **strides("stride_q_tok", "stride_q_head", "stride_cache_kv", "stride_cache_block", "stride_cache_tok",
+                          "stride_cache_head", "stride_table_req", "stride_out_tok", "stride_out_head")}
+        consts = dict(GROUP=group, BLOCK_M=prefill_cfg.block_m, BLOCK_Q=prefill_cfg.block_m // group, HEAD_DIM=128,
+                      BLOCK_D=128, PAGE_SIZE=page, BLOCK_N=prefill_cfg.block_n, DOT_PRECISION="tf32")
+        lines.append(f"{f'prefill gqa {group} block {page}':26s}" + build(prefill._prefill_kernel, args, consts, prefill_cfg.num_warps, prefill_cfg.num_stages))
+    args = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "num_splits": "i32",
+            **strides("stride_part_req", "stride_part_head", "stride_part_split", "stride_lse_req",
+                      "stride_lse_head", "stride_out_req", "stride_out_head")}
+    consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, BLOCK_N=decode_cfg.block_n)
+    lines.append(f"{'merge 64 splits':26s}" + build(decode._decode_merge_kernel, args, consts, 4, 1))
+    args = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64", "num_tokens": "i32",
+            **strides("stride_k_tok", "stride_v_tok", "stride_cache_kv")}
+    for block_t, num_warps in ((1, 2), (16, 8)):
+        consts = dict(ROW=1024, BLOCK_T=block_t, BLOCK_ROW=1024)
+        lines.append(f"{f'store {block_t} tokens/program':26s}" + build(store_kv._store_kv_kernel, args, consts, num_warps, 1))
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="also time a few launch configurations")
+    parser.add_argument("--compile", action="store_true", help="only compile for sm_90 and report registers")
+    args = parser.parse_args()
+    if args.compile:
+        print("\n".join(compile_report()))
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --compile, or the tests under TRITON_INTERPRET=1")
+    device = "cuda"
+    t0 = time.perf_counter()
+    rows = check_correctness(device)
+    print(f"correctness ({time.perf_counter() - t0:.0f} s, bf16, tolerance {BF16_TOL}):")
+    for label, max_err, rel_l2, ok in rows:
+        print(f"  {label:28s} max err {max_err:.2e}  rel L2 {rel_l2:.2e}  {'PASS' if ok else 'FAIL'}")
+
+    models = {name: ModelConfig.from_pretrained(BENCHMARKS / name) for name in ("qwen3-0.6b", "llama-3.1-8b")}
+    copy_gbs = copy_bandwidth(device) / 1e9
+    peak = matmul_tflops(device)
+    lines = decode_table(models, device, copy_gbs)
+    llama = models["llama-3.1-8b"]
+    ms, tflops = time_prefill(llama, 8192, 16, device)
+    sdpa = time_sdpa(llama, 8192, device)
+    lines.append(f"prefill llama 8192 tokens (one layer): {ms:.3f} ms, {tflops:.0f} TFLOP/s "
+                 f"({tflops / peak:.0%} of matmul); torch SDPA {sdpa:.0f} TFLOP/s")
+    if args.sweep:
+        lines += sweep(models, device)
+    print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s (read + written), bf16 matmul {peak:.0f} TFLOP/s")
+    print("\n".join(lines))
+    failed = sum(not ok for *_, ok in rows)
+    print(f"\ncorrectness: {len(rows) - failed}/{len(rows)} PASS")
+
+
+if __name__ == "__main__":
+    main()

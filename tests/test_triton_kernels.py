@@ -1,0 +1,233 @@
+"""The Triton kernels against the torch reference backend, through shuffled paged caches.
+
+Without a GPU the kernels run on CPU tensors under Triton's interpreter (slow, so shapes stay
+small: contexts up to a few hundred tokens). Shapes up to 32k tokens run only on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before the kernels are defined: @triton.jit reads it when it wraps a function.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+def _patch_interpreter() -> None:
+    """Two gaps of Triton 3.6's interpreter that the compiled kernels do not have.
+
+    - Loop bounds loaded from memory are 1-element arrays, which it turns into ints with int(),
+      an error from NumPy 2.4 on (triton-lang/triton#9171; the upstream fix squeezes first).
+    - It stores bfloat16 as uint16 bit patterns and multiplies those in tl.dot
+      (triton-lang/triton#11584); widening bf16 operands to fp32 first is exact.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch_tensor, create_dot = interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def patched_dot(self, a, b, acc, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), acc, input_precision, max_num_imprecise_acc)
+
+    interpreter._patch_lang_tensor = patched_tensor
+    interpreter.InterpreterBuilder.create_dot = patched_dot
+
+
+if INTERPRET:
+    _patch_interpreter()
+
+from ferry.attention.kernels.decode_attention import decode_attention  # noqa: E402
+from ferry.attention.kernels.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
+from ferry.attention.kernels.store_kv import store_kv  # noqa: E402
+from ferry.attention.selector import ENV_VAR, get_attention_backend  # noqa: E402
+from ferry.attention.torch_ref import TorchReferenceBackend  # noqa: E402
+from ferry.attention.torch_ref import store_kv as reference_store_kv  # noqa: E402
+from ferry.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from tiny_models import flat_batch, shuffled_block_tables  # noqa: E402
+
+NUM_KV_HEADS = 2  # GQA ratios come from the number of query heads
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # bf16: a few units of its 8-bit mantissa
+# (block_size, head_dim): both block sizes and both head dims, without the full product.
+PAGE_SHAPES = [(16, 64), (32, 128)]
+DTYPES = [torch.float32, torch.bfloat16]
+
+# (num_computed, num_new) per request: decode rows at context 1 up to 301 tokens.
+DECODE_STEP = [(0, 1), (16, 1), (99, 1), (300, 1)]
+# Prefill, extend after a cached prefix, decode rows and a one-token prompt, in one step.
+MIXED_STEP = [(0, 37), (50, 20), (130, 1), (0, 1), (190, 9)]
+
+
+class Step:
+    """One step's inputs: q/k/v for the new tokens and a cache already holding every prefix.
+
+    The whole cache starts random, not zero: slots past a request's context (the rest of its last
+    block, other requests' blocks) hold values that a kernel reading them would be caught by.
+    """
+
+    def __init__(self, chunks, group, block_size, head_dim, dtype, seed=0, q_scale=1.0):
+        g = torch.Generator().manual_seed(seed)
+        tables, num_blocks = shuffled_block_tables([c + n for c, n in chunks], block_size, seed)
+        _, self.metadata = flat_batch(chunks, tables, block_size)
+        num_tokens = self.metadata.query_start_loc_cpu[-1]
+        make = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+        self.q = (q_scale * make(num_tokens, NUM_KV_HEADS * group, head_dim)).to(dtype)
+        self.k, self.v = make(num_tokens, NUM_KV_HEADS, head_dim), make(num_tokens, NUM_KV_HEADS, head_dim)
+        self.kv_cache = make(2, num_blocks, block_size, NUM_KV_HEADS, head_dim)
+        self.scale = head_dim**-0.5
+        self.to(DEVICE)
+
+    def to(self, device):
+        for name in ("q", "k", "v", "kv_cache"):
+            setattr(self, name, getattr(self, name).to(device))
+        m = self.metadata
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            setattr(m, name, getattr(m, name).to(device))
+
+    def run(self, backend):
+        """(output, cache after the step) of `backend`, on a copy of the cache."""
+        cache = self.kv_cache.clone()
+        return backend.forward(self.q, self.k, self.v, cache, self.metadata, self.scale), cache
+
+
+def assert_matches_reference(step: Step) -> None:
+    expected, expected_cache = step.run(TorchReferenceBackend())
+    out, cache = step.run(TritonAttentionBackend())
+    tol = TOLERANCE[step.q.dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+    assert torch.equal(cache, expected_cache)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_store_kv_writes_slots_and_skips_padding(dtype):
+    # 37 tokens: not a multiple of the tokens a program takes, so the last program is partial.
+    num_tokens, head_dim, num_slots = 37, 64, 64
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randperm(num_slots, generator=g)[:num_tokens].to(DEVICE)
+    slots[::7] = -1  # padding rows
+    # k and v as views of a fused projection: rows strided, each token's heads contiguous.
+    qkv = torch.randn(num_tokens, 4 * NUM_KV_HEADS * head_dim, generator=g).to(DEVICE, dtype)
+    k = qkv[:, : NUM_KV_HEADS * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
+    v = qkv[:, NUM_KV_HEADS * head_dim : 2 * NUM_KV_HEADS * head_dim].view(num_tokens, NUM_KV_HEADS, head_dim)
+    cache = torch.randn(2, num_slots // 16, 16, NUM_KV_HEADS, head_dim, generator=g).to(DEVICE, dtype)
+    expected = cache.clone()
+    reference_store_kv(k, v, expected, slots)
+    store_kv(k, v, cache, slots)
+    assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,head_dim", PAGE_SHAPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_matches_reference(group, block_size, head_dim, dtype):
+    assert_matches_reference(Step(DECODE_STEP, group, block_size, head_dim, dtype))
+
+
+@pytest.mark.parametrize("num_splits,dtype", [(2, torch.float32), (3, torch.bfloat16), (8, torch.float32)], ids=str)
+def test_decode_split_k_matches_one_split(num_splits, dtype):
+    """Splits of unequal length, and empty trailing ones (the 1-token context under 8 splits)."""
+    step = Step(DECODE_STEP, 4, 16, 64, dtype)
+    store_kv(step.k, step.v, step.kv_cache, step.metadata.slot_mapping)
+    m = step.metadata
+    outputs = []
+    for splits in (1, num_splits):
+        out = torch.empty_like(step.q)
+        decode_attention(step.q, step.kv_cache, m.block_tables, m.seq_lens, step.scale, out, splits)
+        outputs.append(out)
+    tol = 1e-5 if dtype == torch.float32 else TOLERANCE[dtype]
+    torch.testing.assert_close(outputs[1].float(), outputs[0].float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,head_dim", PAGE_SHAPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_prefill_with_cached_prefix_in_mixed_batch_matches_reference(group, block_size, head_dim, dtype):
+    assert_matches_reference(Step(MIXED_STEP, group, block_size, head_dim, dtype))
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefill_small_tiles(group):
+    """Tiles much smaller than the chunks: several query tiles per request, several full key tiles
+    before the diagonal, spare tiles, and (group 3) a query tile whose last row holds no token."""
+    step = Step(MIXED_STEP, group, 16, 64, torch.float32)
+    expected, _ = step.run(TorchReferenceBackend())
+    store_kv(step.k, step.v, step.kv_cache, step.metadata.slot_mapping)
+    m = step.metadata
+    out = torch.zeros_like(step.q)
+    config = PrefillConfig(block_m=16, block_n=16)
+    num_real = m.query_start_loc_cpu[-1]
+    prefill_attention(step.q, step.kv_cache, m.block_tables, m.query_start_loc, m.seq_lens, num_real, step.scale, out, config)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("chunks", [DECODE_STEP, MIXED_STEP], ids=["decode", "mixed"])
+def test_head_dim_not_a_power_of_two(chunks):
+    assert_matches_reference(Step(chunks, 2, 16, 80, torch.float32))
+
+
+@pytest.mark.parametrize("chunks", [DECODE_STEP, MIXED_STEP], ids=["decode", "mixed"])
+def test_padding_rows_are_neither_stored_nor_attended(chunks):
+    step = Step(chunks, 4, 16, 64, torch.float32)
+    clean, clean_cache = step.run(TritonAttentionBackend())
+    pad = 3  # rows a fixed-size (graph-captured) batch would carry past the last request
+    step.metadata.slot_mapping = torch.cat([step.metadata.slot_mapping, torch.full((pad,), -1, device=DEVICE)])
+    step.q, step.k, step.v = (torch.cat([t, 100 * torch.ones(pad, *t.shape[1:], device=DEVICE)]) for t in (step.q, step.k, step.v))
+    padded, padded_cache = step.run(TritonAttentionBackend())
+    torch.testing.assert_close(padded[:-pad], clean, atol=0, rtol=0)
+    assert torch.equal(padded_cache, clean_cache)
+    assert torch.count_nonzero(padded[-pad:]) == 0
+
+
+def test_selector_defaults_and_env_override(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert isinstance(get_attention_backend("cpu"), TorchReferenceBackend)
+    monkeypatch.setenv(ENV_VAR, "triton")
+    assert isinstance(get_attention_backend("cpu"), TritonAttentionBackend)
+    monkeypatch.setenv(ENV_VAR, "torch")
+    assert isinstance(get_attention_backend("cuda"), TorchReferenceBackend)
+    monkeypatch.setenv(ENV_VAR, "flash")
+    with pytest.raises(ValueError, match=ENV_VAR):
+        get_attention_backend("cpu")
+
+
+# ---- long contexts: GPU only ----
+
+gpu_only = pytest.mark.skipif(INTERPRET, reason="long contexts are too slow for the interpreter")
+LONG_CONTEXTS = [1, 17, 1000, 4095, 8192, 32768]
+# Over thousands of keys, scores of spread 1 give a nearly flat softmax whose output is tiny next
+# to bf16 tolerances; spread 3 lets a few keys dominate, so a wrong mask or a missed key shows.
+PEAKY = 3.0
+
+
+@gpu_only
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_long_decode_matches_reference(group, block_size):
+    chunks = [(n - 1, 1) for n in LONG_CONTEXTS]
+    assert_matches_reference(Step(chunks, group, block_size, 128, torch.bfloat16, q_scale=PEAKY))
+
+
+@gpu_only
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_long_prefix_prefill_matches_reference(group, block_size):
+    # Chunks after long cached prefixes, a whole 2k prompt, and decode rows beside them.
+    chunks = [(32768 - 512, 512), (0, 2048), (8000, 192), (4095, 1), (0, 1), (16384, 1)]
+    assert_matches_reference(Step(chunks, group, block_size, 128, torch.bfloat16, q_scale=PEAKY))
