@@ -1,0 +1,174 @@
+"""Time to first token and decode time per token of one small batch, next to their roofline bounds.
+
+    ferry bench latency --config-dir benchmarks/llama-3.1-8b --dtype bfloat16 --input-len 512 --output-len 256
+    ferry bench latency --config-dir benchmarks/llama-3.1-8b --dtype bfloat16 --input-len 8192 --output-len 1
+
+Each iteration sends `--batch-size` fresh random prompts at once (fresh, so the prefix cache never
+helps) and runs them to exactly `--output-len` tokens. TTFT runs from adding the requests to the end
+of the step in which the last of them got its first token; decode ms/token is the rest of the time
+over the remaining output_len - 1 steps. The bounds are those of the steps the engine ran: for a
+batch-1 decode, essentially every weight read once per token at full bandwidth; for a long prefill,
+its FLOPs (attention's included) at the matmul peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ferry.bench.roofline import Hardware, ModelCost, RecordedStep, ScheduleRecorder, percentile, step_bound
+from ferry.bench.throughput import add_model_args, random_workload, setup
+
+
+@dataclass
+class Iteration:
+    ttft: float  # seconds
+    decode_per_token: float | None  # seconds per step after the first token; None for one output token
+    steps: list[RecordedStep]
+    num_prefill_steps: int  # steps up to and including the one that gave the last first token
+
+
+def run_iteration(engine, prompts: list[list[int]], output_len: int, ids) -> Iteration:
+    from ferry.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True,
+                            output_kind=RequestOutputKind.DELTA)
+    with ScheduleRecorder(engine) as steps:
+        start = time.perf_counter()
+        waiting = set()
+        for prompt in prompts:
+            request_id = str(next(ids))
+            engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
+            waiting.add(request_id)
+        ttft = num_prefill_steps = None
+        while engine.has_unfinished_requests():
+            outputs = engine.step()
+            if waiting:
+                waiting.difference_update(o.request_id for o in outputs if o.outputs[0].token_ids)
+                if not waiting:
+                    ttft, num_prefill_steps = time.perf_counter() - start, len(steps)
+        elapsed = time.perf_counter() - start
+    decode = (elapsed - ttft) / (output_len - 1) if output_len > 1 else None
+    return Iteration(ttft, decode, steps, num_prefill_steps)
+
+
+def bounds(it: Iteration, output_len: int, cost: ModelCost, hw: Hardware) -> dict:
+    """Bounds and costs of one iteration's steps, split at the first token."""
+    prefill, decode = it.steps[:it.num_prefill_steps], it.steps[it.num_prefill_steps:]
+    decode_costs = [cost.step_cost(s.step, s.sampled_rows) for s in decode]
+    return {
+        "ttft_bound_s": sum(step_bound(s.step, s.sampled_rows, cost, hw) for s in prefill),
+        "prefill_flops": sum(cost.step_cost(s.step, s.sampled_rows).flops for s in prefill),
+        "decode_bound_s_per_token": (sum(step_bound(s.step, s.sampled_rows, cost, hw) for s in decode)
+                                     / (output_len - 1) if output_len > 1 else None),
+        "decode_bytes_per_step": (sum(c.bytes for c in decode_costs) / len(decode_costs)
+                                  if decode_costs else None),
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.max_num_seqs is None:
+        args.max_num_seqs = args.batch_size
+    engine, hw, cost = setup(args)
+    ids = itertools.count()
+    iterations = []
+    for i in range(args.num_iters_warmup + args.num_iters):
+        prompts, _ = random_workload(args.batch_size, (args.input_len,) * 2, (1, 1), cost.vocab_size, args.seed + i)
+        it = run_iteration(engine, prompts, args.output_len, ids)
+        if i >= args.num_iters_warmup:
+            iterations.append(it)
+    ttfts = [it.ttft for it in iterations]
+    decodes = [it.decode_per_token for it in iterations if it.decode_per_token is not None]
+    # Every iteration runs the same shapes, so the last one's steps stand for all.
+    b = bounds(iterations[-1], args.output_len, cost, hw)
+    return {
+        "model": str(args.model), "architecture": engine.config.model.architecture,
+        "dtype": str(engine.config.model.dtype).removeprefix("torch."), "device": args.device,
+        "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "bandwidth_bytes_per_s": hw.bandwidth_bytes_per_s},
+        "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
+        "num_iters": args.num_iters, "num_prefill_steps": iterations[-1].num_prefill_steps,
+        "weight_bytes": cost.weight_bytes, "tied_embedding": cost.tied,
+        "ttft_s": {"p50": percentile(ttfts, 50), "p90": percentile(ttfts, 90), "all": ttfts},
+        "decode_s_per_token": ({"p50": percentile(decodes, 50), "p90": percentile(decodes, 90), "all": decodes}
+                               if decodes else None),
+        **b,
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+    }
+
+
+def report(r: dict) -> str:
+    hw = r["hardware"]
+    lines = [
+        f"{r['architecture']} ({r['model']}), {r['dtype']} on {r['device']}",
+        f"ceilings: {hw['name']}: {hw['peak_flops'] / 1e12:.1f} TFLOP/s, {hw['bandwidth_bytes_per_s'] / 1e12:.3f} TB/s",
+        f"batch {r['batch_size']}, prompts of {r['input_len']} tokens, output {r['output_len']} tokens each; "
+        f"{r['num_iters']} measured iterations",
+        "",
+        f"{'':>16} {'p50':>10} {'p90':>10} {'bound':>10} {'achieved':>9}",
+        _row("TTFT ms", r["ttft_s"], r["ttft_bound_s"]),
+    ]
+    if r["decode_s_per_token"] is not None:
+        lines.append(_row("decode ms/token", r["decode_s_per_token"], r["decode_bound_s_per_token"]))
+    flops, ttft = r["prefill_flops"], r["ttft_s"]["p50"]
+    lines += [
+        "",
+        f"prefill ({r['num_prefill_steps']} step(s)): {flops:.3g} FLOPs, attention's included, in the p50 TTFT: "
+        f"{flops / ttft / 1e12:.1f} TFLOP/s = {flops / ttft / hw['peak_flops']:.1%} of the peak",
+    ]
+    if r["decode_bytes_per_step"] is not None:
+        untied = "" if r["tied_embedding"] else ", less the untied embedding table but the rows it looks up"
+        lines.append(f"decode: a step moves at least {r['decode_bytes_per_step'] / 1e9:.3f} GB: "
+                     f"the weights ({r['weight_bytes'] / 1e9:.3f} GB{untied}) and the KV cache")
+    return "\n".join(lines)
+
+
+def _row(name: str, measured: dict, bound: float) -> str:
+    p50, p90 = measured["p50"] * 1e3, measured["p90"] * 1e3
+    return f"{name:>16} {p50:>10.3f} {p90:>10.3f} {bound * 1e3:>10.3f} {bound * 1e3 / p50:>9.1%}"
+
+
+# ---- command line ----
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
+    parser.set_defaults(max_num_seqs=None)  # the batch size
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=512, help="prompt tokens")
+    parser.add_argument("--output-len", type=int, default=256, help="tokens to generate per request")
+    parser.add_argument("--num-iters-warmup", type=int, default=3)
+    parser.add_argument("--num-iters", type=int, default=10)
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("latency", help=__doc__.splitlines()[0], description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    parser.set_defaults(func=main_from_args)
+    return parser
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    if args.num_iters < 1:
+        raise ValueError(f"--num-iters must be >= 1, got {args.num_iters}")
+    results = run(args)
+    print(report(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ferry.bench.latency", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    return main_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

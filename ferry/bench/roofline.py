@@ -1,0 +1,291 @@
+"""The fastest a step could possibly run on this machine: the roofline bound of a forward.
+
+A step computes q_i new tokens for each scheduled request i, after c_i tokens already in its KV
+cache (seq_len s_i = c_i + q_i), and produces logits for r rows. With L layers, n_h query heads,
+n_kv KV heads, head dim d, hidden size h, vocab V, P the decoder layers' linear parameters and w, w_kv
+the bytes of a weight and of a KV element:
+
+    FLOPs   = 2 P Σq_i  +  2 h V r  +  4 L n_h d Σ (q_i c_i + q_i (q_i + 1) / 2)
+    bytes   = w (every layer weight + lm_head if r > 0 + embedding rows gathered)  +  2 L n_kv d w_kv Σ s_i
+    time   >= max(FLOPs / peak FLOP/s, bytes / bandwidth)
+
+The first FLOP term is the linears (a multiply and an add per weight per token), the second the
+lm_head on the rows that sample, the third attention (QK^T and PV, 2 d each per query-key pair; a
+chunk's queries see the cached context and, causally, the chunk's own earlier tokens). The bytes are
+what must cross the memory bus at least once: every weight (a step reads each once however many
+tokens it carries; an untied embedding table only at the rows of the step's tokens, a tied one is
+read whole as the lm_head), the cached context's K and V, and the new tokens' K and V written.
+Activations, logits and norm arithmetic are left out: they are small, or avoidable by fusion, and a
+bound must never be slower than what is possible.
+
+The ceilings are measured, not taken from a datasheet: peak is a large matmul in the model's dtype,
+bandwidth a device-to-device copy counted as bytes read plus bytes written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    import torch
+
+    from ferry.config import ModelConfig
+
+# (query_len, seq_len) of one scheduled request: q_i new tokens, ending at position seq_len - 1.
+Step = Sequence[tuple[int, int]]
+
+
+# ---- the machine ----
+
+
+@dataclass(frozen=True)
+class Hardware:
+    peak_flops: float  # FLOP/s of a large matmul in the model's dtype
+    bandwidth_bytes_per_s: float  # device memory, bytes read + bytes written per second
+    name: str
+
+    def describe(self) -> str:
+        return f"{self.name}: {self.peak_flops / 1e12:.1f} TFLOP/s, {self.bandwidth_bytes_per_s / 1e12:.2f} TB/s"
+
+
+def measure_hardware(device: str | torch.device, dtype: torch.dtype | None = None) -> Hardware:
+    """Peak matmul FLOP/s and copy bandwidth of `device`, in well under a second on a GPU and a few
+    seconds at most on a CPU. dtype defaults to bfloat16 on CUDA and float32 elsewhere."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        flops = _matmul_flops(device, dtype or torch.bfloat16, size=8192, reps=10)
+        bandwidth = _copy_bandwidth(device, nbytes=1 << 30, reps=10)
+        torch.cuda.empty_cache()  # give the buffers back before the KV cache is sized from free memory
+    else:
+        name = platform.processor() or platform.machine() or "cpu"
+        flops = _matmul_flops(device, dtype or torch.float32, size=1024, reps=3)
+        bandwidth = _copy_bandwidth(device, nbytes=1 << 27, reps=3)
+    return Hardware(flops, bandwidth, name)
+
+
+def _matmul_flops(device: torch.device, dtype: torch.dtype, size: int, reps: int) -> float:
+    import torch
+
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    return 2 * size**3 / _best_time(lambda: torch.mm(a, b), device, reps)
+
+
+def _copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
+    import torch
+
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / _best_time(lambda: dst.copy_(src), device, reps)
+
+
+def _best_time(fn: Callable[[], object], device: torch.device, reps: int) -> float:
+    """Seconds of the fastest of `reps` calls after two warm-up calls. The fastest, because a
+    ceiling is what the machine can reach, not what it reaches on average."""
+    import torch
+
+    for _ in range(2):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def add_hardware_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("roofline ceilings (measured on the device unless given)")
+    group.add_argument("--peak-tflops", type=float, default=None, help="matmul peak in TFLOP/s")
+    group.add_argument("--bandwidth-tbps", type=float, default=None, help="memory bandwidth in TB/s")
+
+
+def hardware_from_args(args: argparse.Namespace, device: str, dtype: torch.dtype) -> Hardware:
+    """The ceilings the flags give, measuring only those missing."""
+    if args.peak_tflops is not None and args.bandwidth_tbps is not None:
+        return Hardware(args.peak_tflops * 1e12, args.bandwidth_tbps * 1e12, "given")
+    measured = measure_hardware(device, dtype)
+    return Hardware(
+        args.peak_tflops * 1e12 if args.peak_tflops is not None else measured.peak_flops,
+        args.bandwidth_tbps * 1e12 if args.bandwidth_tbps is not None else measured.bandwidth_bytes_per_s,
+        measured.name,
+    )
+
+
+# ---- the model ----
+
+
+class StepCost(NamedTuple):
+    flops: float
+    bytes: float
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """Parameter counts and shapes of a Llama-family model, from its config.json alone."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    linear_params: int  # every decoder layer's projections, weights and biases
+    norm_params: int  # every RMSNorm scale, the final norm's included
+    tied: bool  # lm_head is the embedding matrix
+    weight_itemsize: int
+    kv_itemsize: int
+
+    @classmethod
+    def from_model_config(cls, config: ModelConfig) -> ModelCost:
+        hf = config.hf_config
+        h, d = hf["hidden_size"], config.head_dim
+        q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
+        bias = bool(hf.get("attention_bias", False))
+        qkv_bias = bias or config.architecture == "Qwen2ForCausalLM"  # Qwen2: q, k, v only
+        attn = h * (q_size + 2 * kv_size) + q_size * h  # q, k, v, o
+        if qkv_bias:
+            attn += q_size + 2 * kv_size
+        if bias:
+            attn += h
+        inter = hf["intermediate_size"]
+        mlp = 3 * h * inter  # gate, up, down
+        if hf.get("mlp_bias", False):
+            mlp += 2 * inter + h
+        norms = 2 * h  # input_layernorm, post_attention_layernorm
+        if config.architecture == "Qwen3ForCausalLM":
+            norms += 2 * d  # q_norm, k_norm over each head
+        return cls(
+            hidden_size=h, vocab_size=config.vocab_size, num_layers=config.num_layers,
+            num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=d,
+            linear_params=config.num_layers * (attn + mlp), norm_params=config.num_layers * norms + h,
+            tied=bool(hf.get("tie_word_embeddings", False)),
+            weight_itemsize=config.dtype.itemsize, kv_itemsize=config.dtype.itemsize,
+        )
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        """Every parameter, a tied embedding counted once."""
+        return self.linear_params + self.norm_params + self.embedding_params * (1 if self.tied else 2)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.weight_itemsize
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token in every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_itemsize
+
+    def attention_flops(self, query_len: int, seq_len: int) -> int:
+        cached = seq_len - query_len
+        pairs = query_len * cached + query_len * (query_len + 1) // 2  # (query, key) pairs, causal
+        return 4 * self.num_layers * self.num_heads * self.head_dim * pairs
+
+    def step_cost(self, step: Step, sampled_rows: int) -> StepCost:
+        if not step:
+            return StepCost(0.0, 0.0)
+        num_tokens = sum(q for q, _ in step)
+        flops = (2 * self.linear_params * num_tokens + 2 * self.embedding_params * sampled_rows
+                 + sum(self.attention_flops(q, s) for q, s in step))
+        gathered = min(num_tokens, self.vocab_size) * self.hidden_size
+        lm_head = self.embedding_params if sampled_rows else 0
+        head = max(gathered, lm_head) if self.tied else gathered + lm_head
+        weights = (self.linear_params + self.norm_params + head) * self.weight_itemsize
+        kv = self.kv_bytes_per_token * sum(s for _, s in step)  # c_i read + q_i written = s_i
+        return StepCost(float(flops), float(weights + kv))
+
+
+def step_bound(step: Step, sampled_rows: int, cost: ModelCost, hw: Hardware) -> float:
+    """Seconds one forward over `step` needs at least: its FLOPs at peak or its bytes at full
+    bandwidth, whichever takes longer."""
+    flops, nbytes = cost.step_cost(step, sampled_rows)
+    return max(flops / hw.peak_flops, nbytes / hw.bandwidth_bytes_per_s)
+
+
+# ---- what the engine ran ----
+
+
+@dataclass(frozen=True)
+class RecordedStep:
+    step: list[tuple[int, int]]
+    sampled_rows: int
+    kv_slots: int  # token slots in the KV blocks in use after scheduling
+    kv_tokens: int  # tokens whose K/V those slots hold (or will, once this step runs)
+
+
+class ScheduleRecorder:
+    """Records every step the engine's scheduler makes while in a `with` block:
+
+        with ScheduleRecorder(engine) as steps:
+            while engine.has_unfinished_requests():
+                engine.step()
+        bound = sum(step_bound(s.step, s.sampled_rows, cost, hw) for s in steps)
+
+    The schedule is recorded rather than predicted, so chunking, batch shapes and recomputation
+    after preemption are charged to the bound exactly as the engine ran them. Recording costs a
+    pass over the scheduled and running requests per step (tens of microseconds for hundreds).
+    """
+
+    def __init__(self, engine) -> None:
+        self.scheduler = engine.scheduler
+        self.steps: list[RecordedStep] = []
+
+    def __enter__(self) -> list[RecordedStep]:
+        scheduler, original = self.scheduler, self.scheduler.schedule
+        kv_cache = scheduler.kv_cache
+
+        def schedule():
+            out = original()
+            if out.scheduled:
+                pool = kv_cache.pool
+                self.steps.append(RecordedStep(
+                    [(len(s.token_ids), s.start_pos + len(s.token_ids)) for s in out.scheduled],
+                    sum(s.sample for s in out.scheduled),
+                    (pool.num_blocks - pool.num_free_blocks) * kv_cache.block_size,
+                    sum(r.num_computed_tokens for r in scheduler.running),
+                ))
+            return out
+
+        scheduler.schedule = schedule  # an instance attribute, shadowing the method
+        return self.steps
+
+    def __exit__(self, *exc) -> None:
+        del self.scheduler.schedule
+
+
+def paging_waste(steps: Sequence[RecordedStep]) -> float:
+    """Internal fragmentation of the paged KV cache: allocated slots not holding a token, as a
+    fraction of allocated slots, averaged over steps. Blocks shared through the prefix cache count
+    once but hold tokens of several requests, so sharing pushes this down (random prompts share none)."""
+    ratios = [(s.kv_slots - s.kv_tokens) / s.kv_slots for s in steps if s.kv_slots]
+    return sum(ratios) / len(ratios) if ratios else 0.0
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """The p-th percentile (0-100), interpolating linearly between the closest ranks."""
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * p / 100
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)

@@ -1,0 +1,238 @@
+"""Offline throughput on random prompts, next to the roofline bound of the schedule the engine ran.
+
+    ferry bench throughput --config-dir benchmarks/qwen3-0.6b --dtype bfloat16 \\
+        --num-prompts 256 --input-len 100 1024 --output-len 512
+
+Prompts are random token ids and every request generates exactly its output length (EOS ignored), so
+the work is fixed whatever the weights: `--config-dir` runs a folder holding only a config.json with
+random weights. A length is fixed (`--input-len 512`) or uniform in a range (`--input-len 100 1024`);
+prompts and lengths are drawn as nano-vllm's bench.py and the Hugging Face baseline draw them
+(Python's `random`, seeded; lengths, then token ids in [0, 10000]), so a seed gives the same workload.
+
+The engine runs as `LLM.generate` drives it, and every step it schedules is recorded: the bound is
+the sum over those steps of `roofline.step_bound`, so the batch shapes, prefill chunks and any
+recomputation after preemption that the scheduler chose are charged to the bound as to the clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from ferry.bench.roofline import (
+    ModelCost, RecordedStep, ScheduleRecorder, add_hardware_args, hardware_from_args, paging_waste, step_bound,
+)
+from ferry.cli import add_engine_args, engine_kwargs
+
+MAX_TOKEN_ID = 10000  # random prompt ids are drawn from [0, 10000], as nano-vllm and the baseline do
+
+
+# ---- options shared with the latency benchmark ----
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    parser.add_argument("--config-dir", default=None, metavar="DIR",
+                        help="a model folder that may hold only config.json: random weights (--load-format dummy)")
+    parser.set_defaults(device="auto")  # cuda when there is one
+    add_hardware_args(parser)
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the results here as JSON")
+
+
+def resolve_model_args(args: argparse.Namespace) -> None:
+    """Fill in what the options leave open: the model folder, the device, the weights' source."""
+    import torch
+
+    if args.config_dir is not None:
+        if args.model is not None:
+            raise ValueError("give --model or --config-dir, not both")
+        args.model, args.load_format = args.config_dir, "dummy"
+    if args.model is None:
+        from ferry.assets import default_model_path
+
+        args.model = str(default_model_path())
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def setup(args: argparse.Namespace) -> tuple:
+    """(engine, hardware, cost model). The ceilings are measured before the engine takes its share
+    of device memory (the KV cache is sized from what is free)."""
+    from ferry.engine.engine import LLMEngine, make_engine_config
+
+    resolve_model_args(args)
+    config = make_engine_config(args.model, **engine_kwargs(args))
+    hw = hardware_from_args(args, args.device, config.model.dtype)
+    return LLMEngine.from_config(config), hw, ModelCost.from_model_config(config.model)
+
+
+def length_range(values: list[int], name: str) -> tuple[int, int]:
+    """`--x N` -> (N, N); `--x LO HI` -> (LO, HI)."""
+    if len(values) not in (1, 2) or min(values) < 1 or values[0] > values[-1]:
+        raise ValueError(f"--{name} takes one length or a range LO HI with 1 <= LO <= HI, got {values}")
+    return values[0], values[-1]
+
+
+def random_workload(
+    num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int], vocab_size: int, seed: int
+) -> tuple[list[list[int]], list[int]]:
+    """Prompts of random token ids and each request's output length, uniform in the given ranges."""
+    rng = random.Random(seed)
+    top = min(MAX_TOKEN_ID, vocab_size - 1)
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(*input_len))] for _ in range(num_prompts)]
+    return prompts, [rng.randint(*output_len) for _ in range(num_prompts)]
+
+
+# ---- the run ----
+
+
+def generate(engine, prompts: list[list[int]], output_lens: list[int], temperature: float, tag: str) -> int:
+    """Run every request to its end, as `LLM.generate` does; returns the output tokens generated."""
+    from ferry.sampling_params import RequestOutputKind, SamplingParams
+
+    for i, (prompt, max_tokens) in enumerate(zip(prompts, output_lens)):
+        params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
+        engine.add_request(f"{tag}{i}", {"prompt_token_ids": prompt}, params)
+    generated = 0
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            generated += len(output.outputs[0].token_ids)
+    return generated
+
+
+def bound_summary(steps: list[RecordedStep], cost: ModelCost, hw) -> dict:
+    """The bound of the recorded steps, split by which ceiling each step meets."""
+    compute = memory = flops = nbytes = 0.0
+    for s in steps:
+        step_flops, step_bytes = cost.step_cost(s.step, s.sampled_rows)
+        flops, nbytes = flops + step_flops, nbytes + step_bytes
+        t = step_bound(s.step, s.sampled_rows, cost, hw)
+        if step_flops / hw.peak_flops >= step_bytes / hw.bandwidth_bytes_per_s:
+            compute += t
+        else:
+            memory += t
+    return {"bound_s": compute + memory, "bound_compute_s": compute, "bound_memory_s": memory,
+            "flops": flops, "bytes": nbytes}
+
+
+def run(args: argparse.Namespace) -> dict:
+    input_len, output_len = length_range(args.input_len, "input-len"), length_range(args.output_len, "output-len")
+    engine, hw, cost = setup(args)
+    prompts, output_lens = random_workload(args.num_prompts, input_len, output_len, cost.vocab_size, args.seed)
+
+    if args.num_warmup_prompts:
+        n = args.num_warmup_prompts
+        warm_prompts, _ = random_workload(n, input_len, output_len, cost.vocab_size, args.seed + 1)
+        generate(engine, warm_prompts, [min(8, output_len[1])] * n, args.temperature, "warmup-")
+    preemptions_before = engine.scheduler.num_preemptions
+    with ScheduleRecorder(engine) as steps:
+        start = time.perf_counter()
+        generated = generate(engine, prompts, output_lens, args.temperature, "")
+        elapsed = time.perf_counter() - start
+
+    input_tokens = sum(map(len, prompts))
+    bound = bound_summary(steps, cost, hw)
+    kv = engine.scheduler.kv_cache
+    return {
+        "model": str(args.model), "architecture": engine.config.model.architecture,
+        "dtype": str(engine.config.model.dtype).removeprefix("torch."), "device": args.device,
+        "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "bandwidth_bytes_per_s": hw.bandwidth_bytes_per_s},
+        "num_requests": len(prompts), "input_len": input_len, "output_len": output_len,
+        "input_tokens": input_tokens, "output_tokens": generated, "expected_output_tokens": sum(output_lens),
+        "elapsed_s": elapsed,
+        "requests_per_s": len(prompts) / elapsed,
+        "output_tokens_per_s": generated / elapsed,
+        "total_tokens_per_s": (input_tokens + generated) / elapsed,
+        **bound,
+        "achieved_fraction": bound["bound_s"] / elapsed,
+        "num_steps": len(steps),
+        "num_prefill_steps": sum(any(q > 1 for q, _ in s.step) for s in steps),
+        "num_preemptions": engine.scheduler.num_preemptions - preemptions_before,
+        "kv_blocks": kv.num_blocks, "block_size": kv.block_size,
+        "kv_paging_waste": paging_waste(steps),
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+    }
+
+
+def report(r: dict) -> str:
+    bound, elapsed, hw = r["bound_s"], r["elapsed_s"], r["hardware"]
+    lo, hi = r["input_len"]
+    out_lo, out_hi = r["output_len"]
+    rows = [
+        ("wall time (s)", elapsed, bound, ".3f"),
+        ("requests/s", r["num_requests"] / elapsed, r["num_requests"] / bound, ".2f"),
+        ("output tok/s", r["output_tokens"] / elapsed, r["output_tokens"] / bound, ",.0f"),
+        ("total tok/s", (r["input_tokens"] + r["output_tokens"]) / elapsed,
+         (r["input_tokens"] + r["output_tokens"]) / bound, ",.0f"),
+    ]
+    lines = [
+        f"{r['architecture']} ({r['model']}), {r['dtype']} on {r['device']}",
+        f"ceilings: {hw['name']}: {hw['peak_flops'] / 1e12:.1f} TFLOP/s, {hw['bandwidth_bytes_per_s'] / 1e12:.3f} TB/s",
+        f"{r['num_requests']} requests, prompts {_span(lo, hi)} tokens ({r['input_tokens']:,} in all), "
+        f"outputs {_span(out_lo, out_hi)} tokens ({r['output_tokens']:,} in all)",
+        "",
+        f"{'':>15} {'measured':>12} {'bound':>12}",
+        *(f"{name:>15} {m:>12{fmt}} {b:>12{fmt}}" for name, m, b, fmt in rows),
+        f"{'achieved':>15} {r['achieved_fraction']:>12.1%} of the roofline bound",
+        "",
+        f"steps: {r['num_steps']:,} ({r['num_prefill_steps']:,} with prefill chunks), "
+        f"preemptions: {r['num_preemptions']}",
+        f"bound: {r['bound_compute_s']:.3f} s in compute-bound steps + {r['bound_memory_s']:.3f} s in "
+        f"memory-bound steps; {r['flops']:.3g} FLOPs, {r['bytes'] / 1e9:,.1f} GB moved",
+        f"KV cache: {r['kv_blocks']:,} blocks of {r['block_size']} tokens; "
+        f"paging waste {r['kv_paging_waste']:.2%} of allocated slots (mean over steps)",
+    ]
+    if r["output_tokens"] != r["expected_output_tokens"]:
+        lines.append(f"warning: {r['output_tokens']:,} output tokens, {r['expected_output_tokens']:,} expected")
+    return "\n".join(lines)
+
+
+def _span(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+# ---- command line ----
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, nargs="+", default=[100, 1024], metavar="N",
+                        help="prompt tokens: N, or LO HI for uniform in [LO, HI]")
+    parser.add_argument("--output-len", type=int, nargs="+", default=[512], metavar="N",
+                        help="tokens to generate per request: N, or LO HI for uniform in [LO, HI]")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--num-warmup-prompts", type=int, default=16,
+                        help="requests run before the measured ones (8 output tokens each)")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("throughput", help=__doc__.splitlines()[0], description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    parser.set_defaults(func=main_from_args)
+    return parser
+
+
+def main_from_args(args: argparse.Namespace) -> int:
+    results = run(args)
+    print(report(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ferry.bench.throughput", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    return main_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The roofline cost model against figures computed by hand, and the throughput and latency
+benchmarks run end to end on CPU with the bundled model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from ferry.assets import default_model_path
+from ferry.bench import latency, throughput
+from ferry.bench.roofline import (
+    Hardware, ModelCost, RecordedStep, measure_hardware, paging_waste, percentile, step_bound,
+)
+from ferry.config import ModelConfig
+from ferry.models.registry import get_model_class
+
+BENCHMARKS = Path(__file__).parents[1] / "benchmarks"
+H200 = Hardware(773e12, 4.27e12, "H200, as measured in the device notes")
+
+
+def cost_of(path: Path, dtype: str = "bfloat16") -> ModelCost:
+    return ModelCost.from_model_config(ModelConfig.from_pretrained(path, dtype, None, "dummy"))
+
+
+# ---- weights ----
+
+
+def test_qwen3_0_6b_weights_by_hand():
+    h, q, kv, inter, layers, vocab, head_dim = 1024, 16 * 128, 8 * 128, 3072, 28, 151936, 128
+    per_layer = (
+        h * q + 2 * h * kv + q * h  # q, k, v, o projections, no biases
+        + 3 * h * inter  # gate, up, down
+        + 2 * h + 2 * head_dim  # two RMSNorms, q_norm and k_norm
+    )
+    assert per_layer == 15_730_944
+    params = layers * per_layer + h + vocab * h  # + final norm + the embedding, tied: counted once
+    cost = cost_of(BENCHMARKS / "qwen3-0.6b")
+    assert cost.tied
+    assert cost.num_params == params == 596_049_920
+    assert cost.weight_bytes == 2 * params
+    assert round(cost.weight_bytes / 1e9, 2) == 1.19
+
+
+def test_llama_3_1_8b_weights_by_hand():
+    h, q, kv, inter, layers, vocab = 4096, 4096, 1024, 14336, 32, 128256
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h
+    params = layers * per_layer + h + 2 * vocab * h  # embedding and lm_head apart
+    cost = cost_of(BENCHMARKS / "llama-3.1-8b")
+    assert not cost.tied
+    assert cost.num_params == params == 8_030_261_248
+    assert round(cost.weight_bytes / 1e9, 2) == 16.06
+    assert cost.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # K and V, every layer, bf16
+
+
+def _tiny_config(tmp_path: Path, **changes) -> Path:
+    config = json.loads((default_model_path() / "config.json").read_text())
+    config.update(changes)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+@pytest.mark.parametrize("case", ["qwen3-0.6b", "llama-3.1-8b", "default", "qwen2", "llama_biases", "untied"])
+def test_param_count_matches_the_model(case, tmp_path):
+    """Every parameter ferry's model class builds is counted, biases and per-head norms included."""
+    path = {
+        "qwen3-0.6b": BENCHMARKS / "qwen3-0.6b",
+        "llama-3.1-8b": BENCHMARKS / "llama-3.1-8b",
+        "default": default_model_path(),
+    }.get(case)
+    if path is None:
+        changes = {
+            "qwen2": {"architectures": ["Qwen2ForCausalLM"]},  # q, k, v biases
+            "llama_biases": {"attention_bias": True, "mlp_bias": True},
+            "untied": {"tie_word_embeddings": False},
+        }[case]
+        path = _tiny_config(tmp_path, **changes)
+    config = ModelConfig.from_pretrained(path, "bfloat16", 2048, "dummy")
+    with torch.device("meta"):
+        model = get_model_class(config.architecture)(config)
+    assert ModelCost.from_model_config(config).num_params == sum(p.numel() for p in model.parameters())
+
+
+# ---- one step ----
+
+
+# hidden 8, vocab 100, 2 layers of 2 query heads and 1 KV head of dim 4, 2-byte weights and KV.
+TINY = ModelCost(hidden_size=8, vocab_size=100, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4,
+                 linear_params=1000, norm_params=40, tied=False, weight_itemsize=2, kv_itemsize=2)
+# A 3-token prompt prefilled whole, and a decode at position 4 (seq_len 5); both sample.
+STEP = [(3, 3), (1, 5)]
+
+
+def test_attention_flops_by_hand():
+    # 4 queries after 2 cached tokens: 4 * 2 pairs with the cache + 1 + 2 + 3 + 4 causal ones.
+    assert TINY.attention_flops(4, 6) == 4 * 2 * 2 * 4 * (8 + 10)
+    assert TINY.attention_flops(1, 10) == 4 * 2 * 2 * 4 * 10  # a decode sees its whole context
+
+
+def test_step_cost_by_hand():
+    flops, nbytes = TINY.step_cost(STEP, sampled_rows=2)
+    # linears over 4 tokens + lm_head over 2 rows + attention over 6 + 5 (query, key) pairs
+    assert flops == 2 * 1000 * 4 + 2 * 800 * 2 + 64 * 11
+    kv = 2 * 2 * 1 * 4 * 2 * (3 + 5)  # per token: K and V in 2 layers; each request's whole context once
+    # layers + norms + 4 embedding rows gathered + the whole lm_head
+    assert nbytes == (1000 + 40 + 4 * 8 + 800) * 2 + kv
+
+
+def test_tied_embedding_is_read_once():
+    tied = ModelCost(**{**TINY.__dict__, "tied": True})
+    kv = 2 * 2 * 1 * 4 * 2 * 8
+    assert tied.step_cost(STEP, 2).bytes == (1000 + 40 + 800) * 2 + kv  # as the lm_head
+    assert tied.step_cost(STEP, 0).bytes == (1000 + 40 + 4 * 8) * 2 + kv  # no logits: only gathered rows
+    assert TINY.step_cost(STEP, 0).flops == tied.step_cost(STEP, 0).flops == 2 * 1000 * 4 + 64 * 11
+
+
+def test_step_bound_is_the_larger_of_compute_and_memory():
+    flops, nbytes = TINY.step_cost(STEP, 2)
+    compute_bound = Hardware(peak_flops=flops, bandwidth_bytes_per_s=nbytes * 10, name="slow matmul")
+    memory_bound = Hardware(peak_flops=flops * 10, bandwidth_bytes_per_s=nbytes / 2, name="slow memory")
+    assert step_bound(STEP, 2, TINY, compute_bound) == pytest.approx(1.0)
+    assert step_bound(STEP, 2, TINY, memory_bound) == pytest.approx(2.0)
+    assert step_bound([], 0, TINY, memory_bound) == 0.0
+
+
+def test_batch_1_decode_bounds_on_the_h200():
+    """A decode step reads every weight once; Llama's untied embedding table only at one row."""
+    llama, qwen = cost_of(BENCHMARKS / "llama-3.1-8b"), cost_of(BENCHMARKS / "qwen3-0.6b")
+    assert llama.weight_bytes / H200.bandwidth_bytes_per_s == pytest.approx(3.76e-3, abs=5e-6)
+    embedding = 128256 * 4096 * 2
+    expected = (llama.weight_bytes - embedding + 4096 * 2 + 1024 * llama.kv_bytes_per_token) / 4.27e12
+    assert step_bound([(1, 1024)], 1, llama, H200) == pytest.approx(expected)
+    assert step_bound([(1, 1)], 1, qwen, H200) == pytest.approx((1_192_099_840 + 114_688) / 4.27e12)
+
+
+def test_long_prefill_is_compute_bound():
+    llama = cost_of(BENCHMARKS / "llama-3.1-8b")
+    flops, nbytes = llama.step_cost([(8192, 8192)], 1)
+    attention = 4 * 32 * 32 * 128 * (8192 * 8193 // 2)
+    assert flops == 2 * 8192 * (8_030_261_248 - 2 * 128256 * 4096 - 65 * 4096) + 2 * 128256 * 4096 + attention
+    assert step_bound([(8192, 8192)], 1, llama, H200) == pytest.approx(flops / 773e12)
+
+
+# ---- helpers ----
+
+
+def test_paging_waste_and_percentiles():
+    steps = [RecordedStep([(1, 10)], 1, kv_slots=16, kv_tokens=12), RecordedStep([(1, 11)], 1, 32, 32)]
+    assert paging_waste(steps) == pytest.approx((4 / 16 + 0) / 2)
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0], 90) == pytest.approx(1.9)
+
+
+def test_measure_hardware_on_cpu():
+    hw = measure_hardware("cpu")
+    assert hw.peak_flops > 1e8 and hw.bandwidth_bytes_per_s > 1e8
+
+
+# ---- the benchmarks, end to end ----
+
+
+CEILINGS = ["--peak-tflops", "0.1", "--bandwidth-tbps", "0.02", "--device", "cpu"]
+
+
+def test_throughput_end_to_end(tmp_path):
+    out = tmp_path / "throughput.json"
+    throughput.main(["--num-prompts", "3", "--input-len", "5", "40", "--output-len", "4",
+                     "--num-warmup-prompts", "1", "--json", str(out), *CEILINGS])
+    r = json.loads(out.read_text())
+    assert r["output_tokens"] == r["expected_output_tokens"] == 12
+    assert r["num_steps"] == 4  # one step prefills all three prompts, three more decode
+    assert r["num_prefill_steps"] == 1 and r["num_preemptions"] == 0
+    assert 0 < r["bound_s"] < r["elapsed_s"] and r["achieved_fraction"] == pytest.approx(r["bound_s"] / r["elapsed_s"])
+    assert 0 < r["kv_paging_waste"] < 1
+
+
+def test_latency_end_to_end(tmp_path):
+    out = tmp_path / "latency.json"
+    latency.main(["--input-len", "20", "--output-len", "5", "--num-iters-warmup", "1", "--num-iters", "2",
+                  "--json", str(out), *CEILINGS])
+    r = json.loads(out.read_text())
+    assert len(r["ttft_s"]["all"]) == len(r["decode_s_per_token"]["all"]) == 2
+    assert r["num_prefill_steps"] == 1
+    cost = cost_of(default_model_path(), "float32")
+    hw = Hardware(0.1e12, 0.02e12, "")
+    assert r["ttft_bound_s"] == pytest.approx(step_bound([(20, 20)], 1, cost, hw))
+    decode = sum(step_bound([(1, 20 + k)], 1, cost, hw) for k in range(1, 5)) / 4
+    assert r["decode_bound_s_per_token"] == pytest.approx(decode)
+
+
+def test_config_only_folder_runs_with_dummy_weights(tmp_path, capsys):
+    shutil.copy(default_model_path() / "config.json", tmp_path / "config.json")
+    latency.main(["--config-dir", str(tmp_path), "--input-len", "8", "--output-len", "2",
+                  "--num-iters-warmup", "0", "--num-iters", "1", *CEILINGS])
+    assert "decode ms/token" in capsys.readouterr().out
+
+
+def test_subcommands_register():
+    parser = argparse.ArgumentParser()
+    subparsers = parser.add_subparsers()
+    throughput.add_parser(subparsers)
+    latency.add_parser(subparsers)
+    args = parser.parse_args(["throughput", "--input-len", "100", "1024", "--output-len", "512"])
+    assert args.func is throughput.main_from_args and args.input_len == [100, 1024]
+    args = parser.parse_args(["latency", "--batch-size", "4"])
+    assert args.func is latency.main_from_args and args.max_num_seqs is None and args.device == "auto"
