@@ -13,7 +13,7 @@ qwen=benchmarks/qwen3-0.6b
 llama=benchmarks/llama-3.1-8b
 step() {  # the command of one step, and its time limit in seconds
   case $1 in
-    smoke) echo 60 python3 -m ferry generate "def\ fibonacci(n):" --device cuda --dtype bfloat16 --max-tokens 48 ;;
+    smoke) echo 60 python3 -m ferry generate "'def fibonacci(n):'" --device cuda --dtype bfloat16 --max-tokens 48 ;;
     kernel_tests) echo 120 python3 -m pytest -q -x tests/test_triton_kernels.py ;;
     kernel_check) echo 180 python3 -m ferry.bench.kernel_check ;;
     throughput_qwen3) echo 150 python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda \
