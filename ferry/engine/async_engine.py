@@ -1,0 +1,248 @@
+"""The server's handle on the engine process: `async for output in engine.generate(...)`.
+
+    HTTP handler ─ generate() ─► AddRequest ──socket──► engine process (engine_process.py)
+         ▲                                                   │ one StepOutputs per step
+         └── per-request stream ◄── dispatch ◄── read loop ◄─┘
+
+All of it runs on the server's event loop: writes are buffered by the transport and never block,
+and the read loop hands each step's outputs to the streams of their requests. A stream that has
+fallen behind gets its waiting deltas merged into one, so a slow client costs one chunk per turn,
+not one per token.
+
+Leaving a `generate` loop early (a client that went away, a cancelled task) aborts the request in
+the engine, which frees its KV blocks at once. When the engine process dies, every stream fails
+with `EngineDeadError` and `is_alive` turns False for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import socket
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ferry.engine.engine_process import run_engine_process
+from ferry.engine.messages import (
+    HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, Message,
+    RequestFailed, Shutdown, StepOutputs, decode, encode, frame_length,
+)
+from ferry.outputs import CompletionOutput, RequestOutput
+from ferry.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from ferry.tokenizer import Tokenizer
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; no request can be served."""
+
+
+class RequestRejected(ValueError):
+    """The engine refused a request (the message says why); the engine is fine."""
+
+
+class RequestAborted(RuntimeError):
+    """The server ended the request before it finished (shutdown)."""
+
+
+class AsyncEngine:
+    def __init__(
+        self, process: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: EngineInfo,
+        tokenizer: Tokenizer | None,
+    ) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+        self.stats = EngineStats()
+        self._process = process
+        self._reader = reader
+        self._writer = writer
+        self._streams: dict[str, _Stream] = {}
+        self._dead_reason: str | None = None
+        self._read_task = asyncio.create_task(self._read_loop())
+
+    @classmethod
+    async def start(
+        cls, model: str | Path, engine_kwargs: dict[str, Any], threads: int | None = None,
+        timeout_s: float = 900.0,
+    ) -> AsyncEngine:
+        """Spawn the engine process, wait until its model is loaded, and load the tokenizer here
+        (the server tokenizes, so the engine's core spends its time on the model)."""
+        parent_sock, child_sock = socket.socketpair()
+        # spawn, not fork: a forked copy of a server with threads and an event loop is unsafe.
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, args=(str(model), engine_kwargs, child_sock, threads), name="ferry-engine",
+        )
+        process.start()
+        child_sock.close()  # the child holds its own copy; ours would hide the child's exit from us
+        reader, writer = await asyncio.open_unix_connection(sock=parent_sock)
+        try:
+            first = await asyncio.wait_for(_read_message(reader), timeout_s)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as e:
+            process.kill()
+            raise RuntimeError(f"the engine process did not start: {e!r}") from None
+        if isinstance(first, EngineFailed):
+            raise RuntimeError(f"the engine process failed to start:\n{first.message}")
+        if not isinstance(first, EngineReady):
+            raise RuntimeError(f"the engine process sent {type(first).__name__} before EngineReady")
+        return cls(process, reader, writer, first.info, _load_tokenizer(Path(model)))
+
+    # ---- state ----
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead_reason is None
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead_reason
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests sent to the engine and not finished yet."""
+        return len(self._streams)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    # ---- requests ----
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as deltas (new text, tokens and logprobs of each of the n
+        completions); the last one has `finished` set. Raises RequestRejected when the engine
+        refuses the request, EngineDeadError when the engine dies, RequestAborted on shutdown.
+        Leaving the loop before the last output aborts the request."""
+        if not self.is_alive:
+            raise EngineDeadError(self._dead_reason)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        stream = self._streams[request_id] = _Stream()
+        finished = False
+        try:
+            params = params.clone(output_kind=RequestOutputKind.DELTA)
+            self._send(AddRequest(request_id, prompt_token_ids, params, cache_salt))
+            while not finished:
+                output = await stream.next_output()
+                output.prompt, output.prompt_token_ids = prompt, prompt_token_ids
+                finished = output.finished
+                yield output
+        finally:
+            del self._streams[request_id]
+            if not finished and self.is_alive:
+                self._send(AbortRequest(request_id))
+
+    def abort_all(self, reason: str) -> None:
+        """End every request in flight with RequestAborted (their streams abort them in the engine)."""
+        for stream in self._streams.values():
+            stream.put(RequestAborted(reason))
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the engine process: ask, wait up to timeout_s, then kill."""
+        if self.is_alive:
+            self._send(Shutdown())
+        self._mark_dead("the engine was shut down")
+        self._writer.close()
+        process = self._process
+        await asyncio.to_thread(process.join, timeout_s)
+        if process.is_alive():
+            process.kill()
+            await asyncio.to_thread(process.join, 5.0)
+        self._read_task.cancel()
+
+    # ---- the channel ----
+
+    def _send(self, message: Message) -> None:
+        self._writer.write(encode(message))
+
+    async def _read_loop(self) -> None:
+        reason = "the engine process exited"
+        try:
+            while True:
+                message = await _read_message(self._reader)
+                if isinstance(message, EngineFailed):
+                    reason = f"the engine process failed:\n{message.message}"
+                    break
+                self._dispatch(message)
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
+            reason = f"the engine process exited ({e!r})"
+        self._mark_dead(reason)
+
+    def _dispatch(self, message: Message) -> None:
+        if isinstance(message, StepOutputs):
+            self.stats = message.stats
+            for output in message.outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is not None:  # else: aborted here while its last step ran
+                    stream.put(output)
+        elif isinstance(message, RequestFailed):
+            stream = self._streams.get(message.request_id)
+            if stream is not None:
+                stream.put(RequestRejected(message.message))
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead_reason is not None:
+            return
+        self._dead_reason = reason
+        self.stats = EngineStats()
+        for stream in self._streams.values():
+            stream.put(EngineDeadError(reason))
+
+
+class _Stream:
+    """One request's outputs waiting to be read, and the errors that end it."""
+
+    def __init__(self) -> None:
+        self._items: deque[RequestOutput | Exception] = deque()
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | Exception) -> None:
+        self._items.append(item)
+        self._ready.set()
+
+    async def next_output(self) -> RequestOutput:
+        """The next output, merged with the ones queued behind it; raises a queued error."""
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        while self._items and isinstance(item, RequestOutput) and isinstance(self._items[0], RequestOutput):
+            item = _merge_deltas(item, self._items.popleft())
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+
+def _merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
+    """One delta output that says what `first` then `second` say."""
+    completions = [
+        CompletionOutput(
+            a.index, a.text + b.text, a.token_ids + b.token_ids, b.cumulative_logprob,
+            None if a.logprobs is None and b.logprobs is None else (a.logprobs or []) + (b.logprobs or []),
+            b.finish_reason, b.stop_reason,
+        )
+        for a, b in zip(first.outputs, second.outputs)
+    ]
+    return RequestOutput(
+        second.request_id, second.prompt, second.prompt_token_ids, completions, second.finished,
+        first.prompt_logprobs if first.prompt_logprobs is not None else second.prompt_logprobs,
+        second.num_cached_tokens, second.metrics,
+    )
+
+
+async def _read_message(reader: asyncio.StreamReader) -> Message:
+    header = await reader.readexactly(HEADER_BYTES)
+    return decode(await reader.readexactly(frame_length(header)))
+
+
+def _load_tokenizer(model: Path) -> Tokenizer | None:
+    if not (model / "tokenizer.json").is_file():
+        return None
+    from ferry.tokenizer import Tokenizer
+
+    return Tokenizer.from_pretrained(model)

@@ -1,0 +1,190 @@
+"""The engine in a process of its own, so that HTTP work never delays a step (and gets a core of its
+own): the server's `AsyncEngine` starts it and talks to it over a local socket pair.
+
+    reader thread:  socket ─► decode ─► inbox                (always draining the socket)
+    engine loop:    inbox ─► add / abort ─► engine.step() ─► StepOutputs ─► socket
+
+The loop blocks on the inbox only while the engine has nothing to do; otherwise it takes what has
+arrived between two steps, applies it, and steps. Every step sends one `StepOutputs` with the
+outputs of all requests that moved and the stats after the step, so the server's gauges follow
+the engine step by step (an abort that frees KV blocks sends one too, without a step).
+
+If the server goes away (the socket closes), the loop ends: an engine nobody can reach only burns
+the machine. If the engine fails, it says why (`EngineFailed`) and the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import traceback
+from typing import Any
+
+from ferry.engine.messages import (
+    HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, Message,
+    RequestFailed, Shutdown, StepOutputs, decode, encode, frame_length,
+)
+from ferry.outputs import RequestOutput
+
+
+def run_engine_process(model: str, engine_kwargs: dict[str, Any], sock: socket.socket, threads: int | None) -> None:
+    """The engine process's entry point (the target of a spawned `multiprocessing.Process`)."""
+    # Ctrl-C reaches the whole process group; the server shuts the engine down in order instead.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    channel = Channel(sock)
+    try:
+        import torch
+
+        from ferry.engine.engine import LLMEngine, make_engine_config
+
+        threads = threads if threads is not None else default_threads(engine_kwargs.get("device", "cpu"))
+        if threads is not None:
+            torch.set_num_threads(threads)
+        engine = LLMEngine.from_config(make_engine_config(model, **engine_kwargs))
+        EngineLoop(engine, channel).run()
+    except BaseException:
+        _report_failure(channel)
+        sys.exit(1)
+
+
+def default_threads(device: str) -> int | None:
+    """On a CPU, all cores but one, so that the server's HTTP work has a core of its own: with
+    torch's default (every core) its threads fight the server for the cores and a step takes
+    several times longer. Elsewhere, torch's choice (None)."""
+    if device != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
+def _report_failure(channel: Channel) -> None:
+    message = "".join(traceback.format_exc(limit=8))
+    print(message, file=sys.stderr, flush=True)
+    try:
+        channel.send(EngineFailed(message))
+    except OSError:
+        pass  # the server is gone too
+
+
+class Channel:
+    """The engine side of the socket: blocking framed reads and writes."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        self.sock = sock
+
+    def send(self, message: Message) -> None:
+        self.sock.sendall(encode(message))
+
+    def recv(self) -> Message:
+        """The next message; EOFError when the server has closed its end."""
+        header = self._recv_exactly(HEADER_BYTES)
+        return decode(self._recv_exactly(frame_length(header)))
+
+    def _recv_exactly(self, n: int) -> bytes:
+        buf = bytearray()
+        while len(buf) < n:
+            chunk = self.sock.recv(min(n - len(buf), 1 << 20))
+            if not chunk:
+                raise EOFError("the server closed the engine channel")
+            buf += chunk
+        return bytes(buf)
+
+
+class EngineLoop:
+    def __init__(self, engine, channel: Channel) -> None:
+        self.engine = engine
+        self.channel = channel
+        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        # Requests whose prompt logprobs have not been sent yet -> their prompt length.
+        self._prompt_logprobs_due: dict[str, int] = {}
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+
+    def run(self) -> None:
+        threading.Thread(target=self._read, name="engine-channel-reader", daemon=True).start()
+        self.channel.send(EngineReady(self._info()))
+        while True:
+            messages = self._take_messages(block=not self.engine.has_unfinished_requests())
+            if any(isinstance(m, Shutdown) for m in messages):
+                return
+            changed = self._apply(messages)
+            outputs: list[RequestOutput] = []
+            if self.engine.has_unfinished_requests():
+                outputs = self.engine.step()
+                changed = True
+            if changed:
+                self.channel.send(StepOutputs([self._for_wire(o) for o in outputs], self._stats()))
+
+    def _read(self) -> None:
+        try:
+            while True:
+                self.inbox.put(self.channel.recv())
+        except (EOFError, OSError, ValueError):
+            self.inbox.put(Shutdown())
+
+    def _take_messages(self, block: bool) -> list[Message]:
+        messages = [self.inbox.get()] if block else []
+        while True:
+            try:
+                messages.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def _apply(self, messages: list[Message]) -> bool:
+        for message in messages:
+            if isinstance(message, AddRequest):
+                self._add(message)
+            elif isinstance(message, AbortRequest):
+                self.engine.abort_request(message.request_id)
+                self._prompt_logprobs_due.pop(message.request_id, None)
+        return bool(messages)
+
+    def _add(self, message: AddRequest) -> None:
+        prompt = {"prompt_token_ids": message.prompt_token_ids, "cache_salt": message.cache_salt}
+        try:
+            self.engine.add_request(message.request_id, prompt, message.params)
+        except ValueError as e:
+            self.channel.send(RequestFailed(message.request_id, str(e)))
+            return
+        self._prompt_tokens_total += len(message.prompt_token_ids)
+        if message.params.prompt_logprobs is not None:
+            self._prompt_logprobs_due[message.request_id] = len(message.prompt_token_ids)
+
+    def _for_wire(self, output: RequestOutput) -> RequestOutput:
+        """Count the new tokens, and keep the prompt logprobs only in the first output that has
+        them all (the engine repeats the whole list in every output)."""
+        self._generation_tokens_total += sum(len(c.token_ids) for c in output.outputs)
+        due = self._prompt_logprobs_due.get(output.request_id)
+        if output.prompt_logprobs is not None:
+            if due is not None and len(output.prompt_logprobs) >= due:
+                del self._prompt_logprobs_due[output.request_id]
+            else:
+                output.prompt_logprobs = None
+        if output.finished:
+            self._prompt_logprobs_due.pop(output.request_id, None)
+        return output
+
+    def _info(self) -> EngineInfo:
+        config = self.engine.config
+        kv_cache = self.engine.scheduler.kv_cache
+        return EngineInfo(
+            max_model_len=config.model.max_model_len,
+            vocab_size=config.model.vocab_size,
+            kv_cache_tokens=kv_cache.num_blocks * kv_cache.block_size,
+        )
+
+    def _stats(self) -> EngineStats:
+        scheduler = self.engine.scheduler
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_cache_usage=scheduler.kv_cache.usage,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_preemptions_total=scheduler.num_preemptions,
+        )

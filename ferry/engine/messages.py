@@ -1,0 +1,289 @@
+"""The typed messages between the server and the engine process, and their wire format.
+
+    server process                                   engine process
+    AsyncEngine ── AddRequest, AbortRequest, Shutdown ──► EngineLoop
+                ◄── EngineReady, StepOutputs, RequestFailed, EngineFailed ──┘
+
+On the wire a message is a 4-byte big-endian length, then `["TypeName", body]` as UTF-8 JSON.
+Decoding builds only the message classes listed here, field by field: nothing that crosses the
+channel is ever unpickled or imported by name.
+
+Step outputs are deltas (`RequestOutputKind.DELTA`) and leave out the prompt and its token ids:
+the server sent them, keeps them, and puts them back (`AsyncEngine`). Prompt logprobs travel once,
+in the first output that has all of them.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ferry.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from ferry.sampling_params import RequestOutputKind, SamplingParams
+
+# A frame this large is a bug, not a request (a 1M-token prompt is about 8 MB of JSON).
+MAX_FRAME_BYTES = 1 << 30
+_HEADER = struct.Struct(">I")
+
+
+# ---- server -> engine ----
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None  # keeps the request's prefix-cache entries apart from other tenants'
+
+    def to_json(self) -> Any:
+        return [self.request_id, self.prompt_token_ids, _params_to_json(self.params), self.cache_salt]
+
+    @classmethod
+    def from_json(cls, body: Any) -> AddRequest:
+        request_id, token_ids, params, cache_salt = body
+        return cls(_str(request_id), _int_list(token_ids), _params_from_json(params),
+                   None if cache_salt is None else _str(cache_salt))
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+    def to_json(self) -> Any:
+        return self.request_id
+
+    @classmethod
+    def from_json(cls, body: Any) -> AbortRequest:
+        return cls(_str(body))
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    def to_json(self) -> Any:
+        return None
+
+    @classmethod
+    def from_json(cls, body: Any) -> Shutdown:
+        return cls()
+
+
+# ---- engine -> server ----
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the server must know about the model to validate requests before they reach the engine."""
+
+    max_model_len: int
+    vocab_size: int
+    kv_cache_tokens: int  # the most tokens one request can ever hold in the KV cache
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """The engine's gauges after a step, and its running totals (for Prometheus counters)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, in [0, 1]
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions_total: int = 0
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    info: EngineInfo
+
+    def to_json(self) -> Any:
+        return _flat_to_json(self.info)
+
+    @classmethod
+    def from_json(cls, body: Any) -> EngineReady:
+        return cls(_flat_from_json(EngineInfo, body))
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """One engine step's outputs (possibly none: a step-less change such as an abort still moves
+    the gauges) and the stats after it."""
+
+    outputs: list[RequestOutput]
+    stats: EngineStats = field(default_factory=EngineStats)
+
+    def to_json(self) -> Any:
+        return [[_output_to_json(o) for o in self.outputs], _flat_to_json(self.stats)]
+
+    @classmethod
+    def from_json(cls, body: Any) -> StepOutputs:
+        outputs, stats = body
+        return cls([_output_from_json(o) for o in outputs], _flat_from_json(EngineStats, stats))
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    """The engine refused a request (its ValueError message); the engine itself is fine."""
+
+    request_id: str
+    message: str
+
+    def to_json(self) -> Any:
+        return [self.request_id, self.message]
+
+    @classmethod
+    def from_json(cls, body: Any) -> RequestFailed:
+        return cls(_str(body[0]), _str(body[1]))
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    """The engine process is going down: why (the last lines of the traceback)."""
+
+    message: str
+
+    def to_json(self) -> Any:
+        return self.message
+
+    @classmethod
+    def from_json(cls, body: Any) -> EngineFailed:
+        return cls(_str(body))
+
+
+Message = AddRequest | AbortRequest | Shutdown | EngineReady | StepOutputs | RequestFailed | EngineFailed
+_TYPES: dict[str, Any] = {
+    cls.__name__: cls
+    for cls in (AddRequest, AbortRequest, Shutdown, EngineReady, StepOutputs, RequestFailed, EngineFailed)
+}
+
+
+def encode(message: Message) -> bytes:
+    """One framed message: length header + JSON."""
+    payload = json.dumps([type(message).__name__, message.to_json()], separators=(",", ":")).encode()
+    return _HEADER.pack(len(payload)) + payload
+
+
+def decode(payload: bytes) -> Message:
+    """A message from a frame's payload (without its header). Raises ValueError on anything else."""
+    try:
+        name, body = json.loads(payload)
+        cls = _TYPES[name]
+        return cls.from_json(body)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"malformed engine message: {e!r}") from None
+
+
+def frame_length(header: bytes) -> int:
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise ValueError(f"engine message of {length} bytes is over the {MAX_FRAME_BYTES}-byte limit")
+    return length
+
+
+HEADER_BYTES = _HEADER.size
+
+
+# ---- field codecs ----
+
+
+def _flat_to_json(obj: Any) -> list:
+    return [getattr(obj, f.name) for f in fields(obj)]
+
+
+def _flat_from_json(cls: type, body: list) -> Any:
+    names = [f.name for f in fields(cls)]
+    if len(body) != len(names):
+        raise ValueError(f"{cls.__name__} takes {len(names)} fields, got {len(body)}")
+    return cls(*body)
+
+
+_PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))
+
+
+def _params_to_json(params: SamplingParams) -> dict:
+    out = {f.name: getattr(params, f.name) for f in fields(params)}
+    out["output_kind"] = params.output_kind.name
+    return out
+
+
+def _params_from_json(body: dict) -> SamplingParams:
+    unknown = set(body) - _PARAM_NAMES
+    if unknown:
+        raise ValueError(f"unknown sampling fields {sorted(unknown)}")
+    body = dict(body)
+    body["output_kind"] = RequestOutputKind[body.get("output_kind", "CUMULATIVE")]
+    return SamplingParams(**body)  # __post_init__ validates every value again
+
+
+def _output_to_json(output: RequestOutput) -> list:
+    return [
+        output.request_id,
+        output.finished,
+        [_completion_to_json(c) for c in output.outputs],
+        _logprobs_list_to_json(output.prompt_logprobs),
+        output.num_cached_tokens,
+        output.metrics,
+    ]
+
+
+def _output_from_json(body: list) -> RequestOutput:
+    request_id, finished, completions, prompt_logprobs, num_cached, metrics = body
+    return RequestOutput(
+        request_id=_str(request_id),
+        prompt=None,
+        prompt_token_ids=[],
+        outputs=[_completion_from_json(c) for c in completions],
+        finished=bool(finished),
+        prompt_logprobs=_logprobs_list_from_json(prompt_logprobs),
+        num_cached_tokens=int(num_cached),
+        metrics={str(k): float(v) for k, v in metrics.items()},
+    )
+
+
+def _completion_to_json(c: CompletionOutput) -> list:
+    return [c.index, c.text, c.token_ids, c.cumulative_logprob, _logprobs_list_to_json(c.logprobs),
+            c.finish_reason, c.stop_reason]
+
+
+def _completion_from_json(body: list) -> CompletionOutput:
+    index, text, token_ids, cumulative, logprobs, finish_reason, stop_reason = body
+    return CompletionOutput(
+        int(index), _str(text), _int_list(token_ids), cumulative, _logprobs_list_from_json(logprobs),
+        finish_reason, stop_reason,
+    )
+
+
+def _logprobs_list_to_json(positions: list[PositionLogprobs | None] | None) -> list | None:
+    # A position is [[token_id, logprob, rank, decoded_token], ...] in the dict's order: the
+    # chosen token first, then the top alternatives.
+    if positions is None:
+        return None
+    return [
+        None if p is None else [[t, lp.logprob, lp.rank, lp.decoded_token] for t, lp in p.items()]
+        for p in positions
+    ]
+
+
+def _logprobs_list_from_json(body: list | None) -> list[PositionLogprobs | None] | None:
+    if body is None:
+        return None
+    return [
+        None if p is None else {int(t): Logprob(float(lp), rank, decoded) for t, lp, rank, decoded in p}
+        for p in body
+    ]
+
+
+def _str(x: Any) -> str:
+    if not isinstance(x, str):
+        raise ValueError(f"expected a string, got {type(x).__name__}")
+    return x
+
+
+def _int_list(x: Any) -> list[int]:
+    # The elements are not checked one by one: this runs for every output of every step, and the
+    # engine checks the ids of a prompt itself.
+    if not isinstance(x, list):
+        raise ValueError(f"expected a list of integers, got {type(x).__name__}")
+    return x

@@ -1,0 +1,204 @@
+"""The HTTP app: the routes and the state they share.
+
+    request ─► ApiKeyMiddleware ─► route ─► parse_body ─► Serving.plan (validate, tokenize)
+            ─► admit (429 / 503) ─► Serving.chunks ─┬─► sse_events            stream=true
+                                                    └─► fold ─► one JSON      stream=false
+
+The engine starts with the app (lifespan) and stops with it. Routes reach it only through
+`AsyncEngine`, and reach each other's state only through `ServerState`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ferry import __version__
+from ferry.engine.async_engine import AsyncEngine
+from ferry.engine.messages import EngineStats
+from ferry.server.admission import Admission
+from ferry.server.auth import ApiKeyMiddleware
+from ferry.server.config import ServerConfig
+from ferry.server.errors import ApiError, bad_request, error_response, handle_http_exception, handle_unexpected
+from ferry.server.metrics import CONTENT_TYPE, ServerMetrics
+from ferry.server.preprocess import chat_prompt, check_model, check_token_ids, parse_body
+from ferry.server.protocol import (
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
+    SamplingFields, TokenizeRequest, TokenizeResponse,
+)
+from ferry.server.serving_chat import ChatServing
+from ferry.server.serving_completion import CompletionServing
+from ferry.server.streaming import EventStreamResponse, api_error, sse_events, until_disconnected
+
+EngineStarter = Callable[[], Awaitable[AsyncEngine]]
+
+
+class ServerState:
+    """What the routes share: the engine, admission, metrics, and the two serving paths."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.admission = Admission(config.max_pending_requests)
+        self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else EngineStats())
+        self.engine: AsyncEngine | None = None
+        self.completions: CompletionServing | None = None
+        self.chat: ChatServing | None = None
+        self.started = int(time.time())
+
+    def attach(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.completions = CompletionServing(engine, self.config, self.metrics)
+        self.chat = ChatServing(engine, self.config, self.metrics)
+
+    async def respond(self, request: Request, serving: CompletionServing | ChatServing, body: SamplingFields) -> Response:
+        """Plan the request, admit its engine requests, then stream its chunks or send their fold."""
+        plan = serving.plan(body)
+        if self.engine is None or not self.engine.is_alive:
+            raise ApiError(503, "the engine is not running", code="engine_dead")
+        ticket = self.admission.admit(plan.num_engine_requests)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return EventStreamResponse(sse_events(serving.chunks(plan, include_usage), include_usage), ticket.release)
+        with ticket:
+            try:
+                reply = await until_disconnected(request, serving.reply(plan))
+            except Exception as e:
+                error = api_error(e)
+                if error is None:
+                    raise
+                raise error from None
+        if reply is None:
+            return Response(status_code=499)  # the client has gone; nobody reads this
+        return Response(reply.model_dump_json(), media_type="application/json")
+
+    async def drain(self) -> None:
+        """Refuse new requests (503), give those in flight up to drain_timeout_s to finish, then
+        abort the rest and give their handlers a moment to send their last event."""
+        timeout = self.config.drain_timeout_s
+        self.admission.start_draining(timeout)
+        deadline = time.monotonic() + timeout
+        while self.admission.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.admission.pending and self.engine is not None:
+            self.engine.abort_all("the server is shutting down")
+            deadline = time.monotonic() + 2.0
+            while self.admission.pending and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+
+
+def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
+    """The app; `start_engine` runs when the server starts (lifespan), and the engine stops with it."""
+    state = ServerState(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine = await start_engine()
+        state.attach(engine)
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    app = FastAPI(title="ferry", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.ferry = state
+    for path, method, endpoint in ROUTES:
+        app.add_api_route(path, endpoint, methods=[method])
+
+    async def on_api_error(request: Request, error: ApiError) -> JSONResponse:
+        state.metrics.requests_rejected.labels(str(error.status)).inc()
+        return error_response(error)
+
+    app.add_exception_handler(ApiError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, handle_http_exception)
+    app.add_exception_handler(Exception, handle_unexpected)
+    if config.api_key is not None:
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    return app
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.ferry
+
+
+async def health(request: Request) -> Response:
+    state = _state(request)
+    if state.engine is None or not state.engine.is_alive:
+        return error_response(ApiError(503, "the engine is not running", code="engine_dead"))
+    if state.admission.draining:
+        return error_response(ApiError(503, "the server is shutting down", code="server_shutting_down"))
+    return Response(status_code=200)
+
+
+async def version() -> dict:
+    return {"version": __version__}
+
+
+async def metrics(request: Request) -> Response:
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def models(request: Request) -> Response:
+    state = _state(request)
+    card = ModelCard(id=state.config.served_model_name, created=state.started,
+                     max_model_len=state.engine.info.max_model_len)
+    return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+
+async def completions(request: Request) -> Response:
+    state = _state(request)
+    body = await parse_body(request, CompletionRequest, state.config.max_body_bytes)
+    return await state.respond(request, state.completions, body)
+
+
+async def chat_completions(request: Request) -> Response:
+    state = _state(request)
+    body = await parse_body(request, ChatCompletionRequest, state.config.max_body_bytes)
+    return await state.respond(request, state.chat, body)
+
+
+async def tokenize(request: Request) -> Response:
+    state = _state(request)
+    body = await parse_body(request, TokenizeRequest, state.config.max_body_bytes)
+    check_model(body.model, state.config)
+    engine = state.engine
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("give exactly one of prompt and messages", "prompt")
+    if body.messages is not None:
+        token_ids = chat_prompt(body.messages, engine, body.add_generation_prompt).token_ids
+    elif engine.tokenizer is None:
+        raise bad_request("this model has no tokenizer.json", "prompt")
+    else:
+        token_ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    reply = TokenizeResponse(count=len(token_ids), max_model_len=engine.info.max_model_len, tokens=token_ids)
+    return Response(reply.model_dump_json(), media_type="application/json")
+
+
+async def detokenize(request: Request) -> Response:
+    state = _state(request)
+    body = await parse_body(request, DetokenizeRequest, state.config.max_body_bytes)
+    check_model(body.model, state.config)
+    engine = state.engine
+    if engine.tokenizer is None:
+        raise bad_request("this model has no tokenizer.json", "tokens")
+    check_token_ids(body.tokens, engine, "tokens")
+    text = engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+    return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
+
+
+ROUTES = [
+    ("/health", "GET", health),
+    ("/version", "GET", version),
+    ("/metrics", "GET", metrics),
+    ("/v1/models", "GET", models),
+    ("/v1/completions", "POST", completions),
+    ("/v1/chat/completions", "POST", chat_completions),
+    ("/tokenize", "POST", tokenize),
+    ("/detokenize", "POST", detokenize),
+]

@@ -1,0 +1,74 @@
+"""`ferry serve`: the OpenAI-compatible server (`python -m ferry serve` works the same)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ferry.cli import add_engine_args, engine_kwargs, model_path
+from ferry.server.config import ServerConfig
+
+DEFAULT_MODEL_NAME = "ferry-default"
+
+
+def add_serve_command(subparsers) -> None:
+    serve_parser = subparsers.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    add_engine_args(serve_parser)
+    add_server_args(serve_parser)
+    serve_parser.set_defaults(func=serve)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    defaults = ServerConfig(served_model_name="")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("FERRY_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' (default: $FERRY_API_KEY; none: no auth)")
+    parser.add_argument("--served-model-name", default=None,
+                        help=f"the model's name in the API (default: --model as given, or {DEFAULT_MODEL_NAME!r})")
+    parser.add_argument("--ssl-certfile", default=None)
+    parser.add_argument("--ssl-keyfile", default=None)
+    parser.add_argument("--max-pending-requests", type=int, default=defaults.max_pending_requests,
+                        help="requests in flight before new ones get 429")
+    parser.add_argument("--max-fan-out", type=int, default=defaults.max_fan_out,
+                        help="most completions (prompts times n) one request may ask for")
+    parser.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings)
+    parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    parser.add_argument("--drain-timeout", type=float, default=defaults.drain_timeout_s,
+                        help="seconds in-flight requests get to finish after SIGTERM")
+    parser.add_argument("--engine-threads", type=int, default=None,
+                        help="torch threads of the engine process (default on CPU: all cores but one)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ferry.engine.async_engine import AsyncEngine
+    from ferry.server.app import build_app
+    from ferry.server.shutdown import DrainingServer
+
+    model = Path(model_path(args))
+    if not (model / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in model folder {model}")
+    config = ServerConfig(
+        served_model_name=args.served_model_name or (args.model if args.model is not None else DEFAULT_MODEL_NAME),
+        api_key=args.api_key or None,
+        max_pending_requests=args.max_pending_requests,
+        max_fan_out=args.max_fan_out,
+        max_stop_strings=args.max_stop_strings,
+        max_body_bytes=args.max_body_bytes,
+        drain_timeout_s=args.drain_timeout,
+    )
+    kwargs = engine_kwargs(args)
+    app = build_app(config, lambda: AsyncEngine.start(model, kwargs, threads=args.engine_threads))
+    uvicorn_config = uvicorn.Config(
+        app, host=args.host, port=args.port, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+        log_level=args.log_level, access_log=not args.no_access_log,
+        # After the drain, responses still open (aborted streams) get this long to close.
+        timeout_graceful_shutdown=5,
+    )
+    DrainingServer(uvicorn_config, app.state.ferry.drain).run()
+    return 0

@@ -1,0 +1,26 @@
+"""The server's settings: who may call it, what it will accept, how it shuts down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    served_model_name: str
+    api_key: str | None = None  # None: no authentication
+    # Requests admitted and not finished (each prompt of a list counts once; n does not multiply,
+    # the engine runs the n completions of a prompt together). Past it: 429.
+    max_pending_requests: int = 1024
+    # n times the number of prompts in one request: the most sequences one call can start.
+    max_fan_out: int = 128
+    max_stop_strings: int = 16
+    max_body_bytes: int = 32 << 20  # a body over this gets 413 (32 MiB: a few batches of long prompts)
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
+
+    def __post_init__(self) -> None:
+        for name in ("max_pending_requests", "max_fan_out", "max_stop_strings", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")

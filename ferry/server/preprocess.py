@@ -1,0 +1,208 @@
+"""From an OpenAI request to what the engine takes: prompts as token ids, checked against the model,
+and `SamplingParams`.
+
+Everything the engine would refuse is refused here first, with a 400 naming the parameter: the
+engine runs in another process, and a request it rejects would cost a round trip and could only
+be reported inside a stream that has already started.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from ferry.engine.async_engine import AsyncEngine
+from ferry.sampling_params import SamplingParams
+from ferry.server.config import ServerConfig
+from ferry.server.errors import ApiError, bad_request
+from ferry.server.protocol import ChatMessage, Prompt, SamplingFields
+
+_PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))
+M = TypeVar("M", bound=BaseModel)
+
+
+@dataclass(frozen=True)
+class EnginePrompt:
+    token_ids: list[int]
+    text: str | None  # the text the ids came from, when the client sent text
+
+
+# ---- the body ----
+
+
+async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
+    """The request body as `model`: 413 past max_bytes (checked on Content-Length, then while
+    reading, for chunked uploads), 400 for bad JSON, a non-object, or a field that does not fit."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _too_large(len(body), max_bytes)
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"the body must be a JSON object, not {type(data).__name__}", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _too_large(size: int, max_bytes: int) -> ApiError:
+    return ApiError(413, f"the body has {size} bytes or more; at most {max_bytes} are accepted", code="request_too_large")
+
+
+def _validation_error(error: ValidationError) -> ApiError:
+    first = error.errors(include_url=False)[0]
+    # Union members add their type names to the location ("prompt.list[int].0"); keep the fields.
+    param = ".".join(str(p) for p in first["loc"] if isinstance(p, int) or "[" not in str(p)) or None
+    return bad_request(f"{param}: {first['msg']}" if param else first["msg"], param)
+
+
+# ---- prompts ----
+
+
+def check_model(model: str | None, config: ServerConfig) -> None:
+    if model is not None and model != config.served_model_name:
+        raise ApiError(404, f"the model `{model}` does not exist; this server serves `{config.served_model_name}`",
+                       "model", "model_not_found")
+
+
+def completion_prompts(prompt: Prompt, engine: AsyncEngine) -> list[EnginePrompt]:
+    """The prompts of a completion request (a text, texts, token ids or lists of token ids)."""
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+        items: list = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise bad_request("prompt is empty", "prompt")
+    return [_engine_prompt(item, engine) for item in items]
+
+
+def _engine_prompt(item: str | list[int], engine: AsyncEngine) -> EnginePrompt:
+    if isinstance(item, str):
+        if not item:
+            raise bad_request("prompt is empty", "prompt")
+        return EnginePrompt(_tokenizer(engine, "prompt").encode(item), item)
+    if not item:
+        raise bad_request("prompt is empty", "prompt")
+    check_token_ids(item, engine, "prompt")
+    return EnginePrompt(list(item), None)
+
+
+def check_token_ids(token_ids: list[int], engine: AsyncEngine, param: str) -> None:
+    vocab_size = engine.info.vocab_size
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is out of vocabulary (valid ids: 0 to {vocab_size - 1})", param)
+
+
+def chat_prompt(
+    messages: list[ChatMessage], engine: AsyncEngine, add_generation_prompt: bool = True,
+    tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None,
+) -> EnginePrompt:
+    """The conversation rendered with the model's chat template, and its token ids."""
+    tokenizer = _tokenizer(engine, "messages")
+    conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+    try:
+        text = tokenizer.apply_chat_template(conversation, add_generation_prompt, tools, **(template_kwargs or {}))
+    except Exception as e:  # templates are the model's code: any error there is the request's
+        raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    if not token_ids:
+        raise bad_request("the messages render to an empty prompt", "messages")
+    return EnginePrompt(token_ids, text)
+
+
+def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:
+    out = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        # Text parts join into one string, which every template understands.
+        if any(part.type != "text" or part.text is None for part in message.content):
+            raise bad_request("only text content parts are supported", f"messages.{index}.content")
+        out["content"] = "".join(part.text for part in message.content)
+    out.setdefault("content", "")
+    return out
+
+
+def _tokenizer(engine: AsyncEngine, param: str):
+    if engine.tokenizer is None:
+        raise bad_request("this model has no tokenizer.json: send prompts as token ids", param)
+    return engine.tokenizer
+
+
+# ---- limits that need the model ----
+
+
+def check_context(prompt_len: int, max_tokens: int | None, engine: AsyncEngine, prompt_param: str) -> None:
+    """400 unless the prompt and max_tokens fit in the context (and the prompt in the KV cache)."""
+    limit = engine.info.max_model_len
+    if prompt_len >= limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens, but the prompt has {prompt_len} "
+            "tokens, which leaves no room for output. Please shorten the prompt.",
+            prompt_param, "context_length_exceeded",
+        )
+    if max_tokens is not None and prompt_len + max_tokens > limit:
+        raise bad_request(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} for the completion). "
+            "Please reduce the prompt or max_tokens.",
+            "max_tokens", "context_length_exceeded",
+        )
+    if prompt_len + 1 > engine.info.kv_cache_tokens:
+        raise bad_request(
+            f"the prompt has {prompt_len} tokens, but the KV cache holds at most {engine.info.kv_cache_tokens}",
+            prompt_param, "context_length_exceeded",
+        )
+
+
+def check_fan_out(num_prompts: int, n: int, config: ServerConfig) -> None:
+    if num_prompts * n > config.max_fan_out:
+        param = "n" if n > 1 else "prompt"
+        raise bad_request(
+            f"{num_prompts} prompt(s) times n={n} asks for {num_prompts * n} completions; "
+            f"at most {config.max_fan_out} are allowed per request", param,
+        )
+
+
+# ---- sampling ----
+
+
+def sampling_params(
+    request: SamplingFields, config: ServerConfig, engine: AsyncEngine, max_tokens: int | None,
+    logprobs: int | None = None, prompt_logprobs: int | None = None,
+) -> SamplingParams:
+    if request.stream_options is not None and not request.stream:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    if len(stop) > config.max_stop_strings:
+        raise bad_request(f"stop has {len(stop)} strings; at most {config.max_stop_strings} are allowed", "stop")
+    if any(not s for s in stop):
+        raise bad_request("stop strings must not be empty", "stop")
+    check_token_ids(request.stop_token_ids or [], engine, "stop_token_ids")
+    given = {
+        "n": request.n, "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
+        "min_p": request.min_p, "seed": request.seed, "max_tokens": max_tokens, "min_tokens": request.min_tokens,
+        "stop": stop, "stop_token_ids": request.stop_token_ids, "ignore_eos": request.ignore_eos,
+        "include_stop_str_in_output": request.include_stop_str_in_output, "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs, "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty, "repetition_penalty": request.repetition_penalty,
+        "skip_special_tokens": request.skip_special_tokens,
+    }
+    # None means "not given": SamplingParams' default applies (max_tokens=None is meaningful).
+    kwargs = {k: v for k, v in given.items() if v is not None or k in ("max_tokens", "logprobs", "prompt_logprobs")}
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise bad_request(str(e), name if name in _PARAM_NAMES else None) from None

@@ -1,0 +1,217 @@
+"""The HTTP API's shapes, as OpenAI defines them (plus vLLM's sampling extras).
+
+Requests ignore fields they do not know, so clients written for newer OpenAI APIs still work.
+Integer fields are strict (`true` or `"5"` is not a count); value ranges are OpenAI's, so a bad
+value gets a 400 naming its field before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer
+
+Int = Annotated[int, Strict()]
+Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=2**64 - 1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class SamplingFields(_Request):
+    """What completions and chat completions share."""
+
+    model: str | None = None
+    n: Int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    seed: Seed | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    # vLLM's extras
+    top_k: Int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    ignore_eos: bool = False
+    min_tokens: Int = Field(0, ge=0)
+    stop_token_ids: list[Annotated[int, Strict(), Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str | None = Field(None, min_length=1)  # prefix-cache isolation between tenants
+
+
+# A prompt: text, texts, token ids, or lists of token ids.
+Prompt = str | list[str] | list[Int] | list[list[Int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Prompt
+    max_tokens: Int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
+    echo: bool = False
+    logprobs: Int | None = Field(None, ge=0, le=20)
+
+
+class ContentPart(_Request):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)  # the older name of max_completion_tokens
+    logprobs: bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[Int]
+
+
+# ---- responses ----
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogProbs(BaseModel):
+    """The legacy completions format: parallel lists, one entry per token."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nones(self, handler):
+        # OpenAI's deltas carry only what changed: {"role": "assistant"} or {"content": "..."}.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ChatMessageOut(BaseModel):
+    role: str = "assistant"
+    content: str | None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: ChatChoiceLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ferry"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

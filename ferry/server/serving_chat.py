@@ -1,0 +1,185 @@
+"""POST /v1/chat/completions: messages through the chat template, a stream of
+`chat.completion.chunk`s out.
+
+Each of the n choices opens with a `{"role": "assistant", "content": ""}` delta, then content
+deltas; its last chunk carries its finish_reason. `chunks` is the one code path: streaming sends
+its chunks as events, and the plain reply is `fold_chat(chunks)`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from ferry.engine.async_engine import AsyncEngine
+from ferry.outputs import CompletionOutput
+from ferry.sampling_params import SamplingParams
+from ferry.server.config import ServerConfig
+from ferry.server.errors import bad_request
+from ferry.server.logprobs import chat_logprobs
+from ferry.server.metrics import ServerMetrics
+from ferry.server.preprocess import EnginePrompt, chat_prompt, check_context, check_fan_out, check_model, sampling_params
+from ferry.server.protocol import (
+    ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
+    ChatCompletionStreamChoice, ChatMessageOut, DeltaMessage, UsageInfo,
+)
+
+
+@dataclass(frozen=True)
+class ChatPlan:
+    """A validated request, ready to run."""
+
+    request_id: str
+    created: int
+    model: str
+    prompt: EnginePrompt
+    params: SamplingParams
+    top_logprobs: int | None  # None: no logprobs
+    cache_salt: str | None
+    num_engine_requests = 1  # the engine runs the n choices as one request
+
+
+class ChatServing:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+
+    def plan(self, request: ChatCompletionRequest) -> ChatPlan:
+        """Render and check the request against the model and the server's limits; raises ApiError."""
+        check_model(request.model, self.config)
+        if request.top_logprobs is not None and not request.logprobs:
+            raise bad_request("top_logprobs requires logprobs=true", "top_logprobs")
+        check_fan_out(1, request.n, self.config)
+        prompt = chat_prompt(
+            request.messages, self.engine, request.add_generation_prompt, request.tools, request.chat_template_kwargs,
+        )
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        check_context(len(prompt.token_ids), max_tokens, self.engine, "messages")
+        top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = sampling_params(request, self.config, self.engine, max_tokens, top_logprobs)
+        return ChatPlan(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name, prompt, params,
+                        top_logprobs, request.cache_salt)
+
+    async def chunks(self, plan: ChatPlan, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
+        """The stream: a role chunk per choice, content chunks, then (include_usage) a usage chunk."""
+        arrival = time.monotonic()
+        choices = [_Choice(i, plan.top_logprobs) for i in range(plan.params.n)]
+        for choice in choices:
+            yield self._chunk(plan, choice.opening())
+        first_token_seen = False
+        try:
+            stream = self.engine.generate(
+                plan.request_id, plan.prompt.token_ids, plan.params, plan.prompt.text, plan.cache_salt,
+            )
+            async with aclosing(stream) as outputs:
+                async for output in outputs:
+                    for completion in output.outputs:
+                        delta = choices[completion.index].update(completion, self._decode)
+                        if delta is not None:
+                            yield self._chunk(plan, delta)
+                    if not first_token_seen and any(c.num_tokens for c in choices):
+                        first_token_seen = True
+                        self.metrics.first_token(arrival)
+        finally:
+            self.metrics.finished(arrival, [c.finish_reason or "abort" for c in choices])
+        if include_usage:
+            prompt_tokens = len(plan.prompt.token_ids)
+            completion_tokens = sum(c.num_tokens for c in choices)
+            usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              total_tokens=prompt_tokens + completion_tokens)
+            yield ChatCompletionChunk(id=plan.request_id, created=plan.created, model=plan.model, choices=[],
+                                      usage=usage)
+
+    async def reply(self, plan: ChatPlan) -> ChatCompletionResponse:
+        """The non-streaming reply: the stream, folded."""
+        return await fold_chat(self.chunks(plan, include_usage=True))
+
+    @staticmethod
+    def _chunk(plan: ChatPlan, choice: ChatCompletionStreamChoice) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=plan.request_id, created=plan.created, model=plan.model, choices=[choice])
+
+    def _decode(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+@dataclass
+class _Choice:
+    """What one choice has sent so far."""
+
+    index: int
+    top_logprobs: int | None
+    finish_reason: str | None = None
+    num_tokens: int = 0
+
+    def opening(self) -> ChatCompletionStreamChoice:
+        return ChatCompletionStreamChoice(
+            index=self.index, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None,
+        )
+
+    def update(self, completion: CompletionOutput, decode: Callable[[int], str]) -> ChatCompletionStreamChoice | None:
+        """The chunk for this delta of the choice, or None when there is nothing to send."""
+        if self.finish_reason is not None:
+            return None  # finished earlier; later outputs of the request still list it
+        self.num_tokens += len(completion.token_ids)
+        self.finish_reason = completion.finish_reason
+        if not (completion.text or completion.token_ids or completion.finished):
+            return None
+        logprobs = None
+        if self.top_logprobs is not None:
+            content = chat_logprobs(completion.token_ids, completion.logprobs or [], self.top_logprobs, decode)
+            logprobs = ChatChoiceLogprobs(content=content)
+        return ChatCompletionStreamChoice(
+            index=self.index, delta=DeltaMessage(content=completion.text or None), logprobs=logprobs,
+            finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason if completion.finished else None,
+        )
+
+
+@dataclass
+class _Folded:
+    role: str = "assistant"
+    content: list[str] = field(default_factory=list)
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+async def fold_chat(chunks: AsyncIterator[ChatCompletionChunk]) -> ChatCompletionResponse:
+    """The non-streaming reply: every chunk of the stream folded into one."""
+    head: ChatCompletionChunk | None = None
+    usage = None
+    folded: dict[int, _Folded] = {}
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            head = head or chunk
+            usage = chunk.usage or usage
+            for choice in chunk.choices:
+                _fold_choice(folded.setdefault(choice.index, _Folded()), choice)
+    assert head is not None, "a chat stream always begins with its role chunks"
+    choices = [
+        ChatCompletionChoice(
+            index=i, message=ChatMessageOut(role=f.role, content="".join(f.content)),
+            logprobs=None if f.logprobs is None else ChatChoiceLogprobs(content=f.logprobs),
+            finish_reason=f.finish_reason, stop_reason=f.stop_reason,
+        )
+        for i, f in sorted(folded.items())
+    ]
+    return ChatCompletionResponse(id=head.id, created=head.created, model=head.model, choices=choices, usage=usage)
+
+
+def _fold_choice(into: _Folded, chunk: ChatCompletionStreamChoice) -> None:
+    if chunk.delta.role is not None:
+        into.role = chunk.delta.role
+    if chunk.delta.content:
+        into.content.append(chunk.delta.content)
+    if chunk.logprobs is not None:
+        if into.logprobs is None:
+            into.logprobs = []
+        into.logprobs.extend(chunk.logprobs.content or [])
+    into.finish_reason = chunk.finish_reason or into.finish_reason
+    into.stop_reason = chunk.stop_reason if chunk.stop_reason is not None else into.stop_reason

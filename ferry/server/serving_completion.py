@@ -1,0 +1,227 @@
+"""POST /v1/completions: prompts in, a stream of `text_completion` chunks out.
+
+A request with P prompts and n completions each runs as P engine requests (the engine runs the n
+together); choice i * n + j is completion j of prompt i, as in OpenAI's API. `chunks` is the one
+code path: streaming sends its chunks as events, and the plain reply is `fold_completion(chunks)`.
+
+Echo puts the prompt in front of each choice's first chunk (with the prompt's logprobs when
+logprobs are asked for: what lm-eval's loglikelihood requests read). max_tokens=0 with echo
+scores the prompt alone: the engine samples one token, which is not shown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from ferry.engine.async_engine import AsyncEngine
+from ferry.outputs import CompletionOutput, RequestOutput
+from ferry.sampling_params import SamplingParams
+from ferry.server.config import ServerConfig
+from ferry.server.errors import bad_request
+from ferry.server.logprobs import completion_logprobs
+from ferry.server.metrics import ServerMetrics
+from ferry.server.preprocess import (
+    EnginePrompt, check_context, check_fan_out, check_model, completion_prompts, sampling_params,
+)
+from ferry.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+
+
+@dataclass(frozen=True)
+class CompletionPlan:
+    """A validated request, ready to run."""
+
+    request_id: str
+    created: int
+    model: str
+    prompts: list[EnginePrompt]
+    params: SamplingParams
+    echo: bool
+    logprobs: int | None
+    score_only: bool  # max_tokens=0 with echo
+    cache_salt: str | None
+
+    @property
+    def num_engine_requests(self) -> int:
+        return len(self.prompts)
+
+
+class CompletionServing:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics
+
+    def plan(self, request: CompletionRequest) -> CompletionPlan:
+        """Check the request against the model and the server's limits; raises ApiError."""
+        check_model(request.model, self.config)
+        prompts = completion_prompts(request.prompt, self.engine)
+        check_fan_out(len(prompts), request.n, self.config)
+        score_only = request.max_tokens == 0
+        if score_only and not request.echo:
+            raise bad_request("max_tokens must be >= 1 (0 is allowed with echo=true, to score the prompt)", "max_tokens")
+        max_tokens = 1 if score_only else request.max_tokens
+        for prompt in prompts:
+            check_context(len(prompt.token_ids), max_tokens, self.engine, "prompt")
+        prompt_logprobs = request.logprobs if request.echo else None
+        params = sampling_params(request, self.config, self.engine, max_tokens, request.logprobs, prompt_logprobs)
+        return CompletionPlan(
+            f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name, prompts, params,
+            request.echo, request.logprobs, score_only, request.cache_salt,
+        )
+
+    async def chunks(self, plan: CompletionPlan, include_usage: bool) -> AsyncIterator[CompletionResponse]:
+        """The stream: chunks of one choice each, then (include_usage) one usage chunk."""
+        arrival = time.monotonic()
+        n = plan.params.n
+        choices = [_Choice(i * n + j, prompt, plan) for i, prompt in enumerate(plan.prompts) for j in range(n)]
+        streams = [
+            self.engine.generate(f"{plan.request_id}-{i}", p.token_ids, plan.params, p.text, plan.cache_salt)
+            for i, p in enumerate(plan.prompts)
+        ]
+        first_token_seen = False
+        try:
+            async with aclosing(merge_streams(streams)) as outputs:
+                async for prompt_index, output in outputs:
+                    for completion in output.outputs:
+                        choice = choices[prompt_index * n + completion.index].update(output, completion, self._decode)
+                        if choice is not None:
+                            yield CompletionResponse(id=plan.request_id, created=plan.created, model=plan.model,
+                                                     choices=[choice])
+                    if not first_token_seen and any(c.num_tokens for c in choices):
+                        first_token_seen = True
+                        self.metrics.first_token(arrival)
+        finally:
+            self.metrics.finished(arrival, [c.finish_reason or "abort" for c in choices])
+        if include_usage:
+            prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
+            completion_tokens = sum(c.num_tokens for c in choices)
+            usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                              total_tokens=prompt_tokens + completion_tokens)
+            yield CompletionResponse(id=plan.request_id, created=plan.created, model=plan.model, choices=[],
+                                     usage=usage)
+
+    async def reply(self, plan: CompletionPlan) -> CompletionResponse:
+        """The non-streaming reply: the stream, folded."""
+        return await fold_completion(self.chunks(plan, include_usage=True))
+
+    def _decode(self, token_ids: list[int]) -> str:
+        tokenizer = self.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+@dataclass
+class _Choice:
+    """What one choice has sent so far."""
+
+    index: int
+    prompt: EnginePrompt
+    plan: CompletionPlan
+    echoed: bool = False
+    finish_reason: str | None = None
+    text_offset: int = 0
+    num_tokens: int = 0
+
+    def update(self, output: RequestOutput, completion: CompletionOutput, decode) -> CompletionChoice | None:
+        """The chunk for this delta of the choice, or None when there is nothing to send."""
+        if self.finish_reason is not None:
+            return None  # finished earlier; later outputs of the request still list it
+        text, token_ids, positions = completion.text, completion.token_ids, completion.logprobs or []
+        if self.plan.score_only:
+            text, token_ids, positions = "", [], []
+        head_text, head_ids, head_positions = self._echo(output, completion.finished, decode)
+        self.num_tokens += len(token_ids)
+        self.finish_reason = completion.finish_reason
+        if not (head_text or head_ids or text or token_ids or completion.finished):
+            return None
+        logprobs = None
+        if self.plan.logprobs is not None:
+            logprobs, self.text_offset = completion_logprobs(
+                head_ids + token_ids, head_positions + positions, self.text_offset, lambda t: decode([t]),
+            )
+        return CompletionChoice(
+            index=self.index, text=head_text + text, logprobs=logprobs, finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason if completion.finished else None,
+        )
+
+    def _echo(self, output: RequestOutput, finished: bool, decode) -> tuple[str, list[int], list]:
+        """The prompt, once, at the front of the choice; with logprobs, once they have arrived."""
+        plan = self.plan
+        if not plan.echo or self.echoed:
+            return "", [], []
+        if plan.params.prompt_logprobs is not None and output.prompt_logprobs is None and not finished:
+            return "", [], []
+        self.echoed = True
+        ids = self.prompt.token_ids
+        text = self.prompt.text if self.prompt.text is not None else decode(ids)
+        positions = output.prompt_logprobs if output.prompt_logprobs is not None else [None] * len(ids)
+        return text, list(ids), list(positions)
+
+
+async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index of the stream, output) from several engine streams as their outputs arrive. Closing
+    the merged stream closes all of them (aborting their requests)."""
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as stream:
+            async for output in stream:
+                yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream):
+                async for output in stream:
+                    queue.put_nowait((index, output))
+            queue.put_nowait((index, None))
+        except Exception as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def fold_completion(chunks: AsyncIterator[CompletionResponse]) -> CompletionResponse:
+    """The non-streaming reply: every chunk of the stream folded into one (consumes the chunks)."""
+    head: CompletionResponse | None = None
+    choices: dict[int, CompletionChoice] = {}
+    async with aclosing(chunks):
+        async for chunk in chunks:
+            head = head or chunk
+            head.usage = chunk.usage or head.usage
+            for choice in chunk.choices:
+                if choice.index in choices:
+                    _fold_choice(choices[choice.index], choice)
+                else:
+                    choices[choice.index] = choice
+    assert head is not None, "a completion stream always ends with its usage chunk"
+    return CompletionResponse(id=head.id, created=head.created, model=head.model,
+                              choices=[choices[i] for i in sorted(choices)], usage=head.usage)
+
+
+def _fold_choice(into: CompletionChoice, chunk: CompletionChoice) -> None:
+    into.text += chunk.text
+    into.finish_reason = chunk.finish_reason or into.finish_reason
+    into.stop_reason = chunk.stop_reason if chunk.stop_reason is not None else into.stop_reason
+    if into.logprobs is not None and chunk.logprobs is not None:
+        into.logprobs.tokens += chunk.logprobs.tokens
+        into.logprobs.token_logprobs += chunk.logprobs.token_logprobs
+        into.logprobs.top_logprobs += chunk.logprobs.top_logprobs
+        into.logprobs.text_offset += chunk.logprobs.text_offset
