@@ -217,7 +217,8 @@ def test_completion_stream_framing(http):
     assert len({c["id"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
     *content, usage = chunks
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": usage["usage"]["prompt_tokens"],
-                                                         "completion_tokens": 20, "total_tokens": usage["usage"]["total_tokens"]}
+                                                         "completion_tokens": 20, "total_tokens": usage["usage"]["total_tokens"],
+                                                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert all(c["usage"] is None for c in content)
     for index in range(4):
         mine = [c["choices"][0] for c in content if c["choices"][0]["index"] == index]
@@ -626,3 +627,16 @@ def test_drain_timeout_aborts_what_is_left(spare_server):
     outcomes.append(plain.json()["error"]["code"] if plain.status_code == 503 else "length")
     assert set(outcomes) <= {"aborted", "length"} and outcomes.count("aborted") >= 2, outcomes
     assert srv.proc.wait(30) == 0 and time.monotonic() - started < 15
+
+
+def test_prefix_cache_hits_are_reported(client, http):
+    prompt = "def cached_prefix_check(a, b):\n    return a + b\n" * 4  # several full blocks
+    before = metric_values(http)
+    first = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens
+    after = metric_values(http)
+    assert after["ferry:prefix_cache_queries_total"] - before["ferry:prefix_cache_queries_total"] >= 2 * first.usage.prompt_tokens
+    assert after["ferry:prefix_cache_hits_total"] - before["ferry:prefix_cache_hits_total"] == cached

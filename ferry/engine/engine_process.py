@@ -180,6 +180,7 @@ class EngineLoop:
 
     def _stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
+        prefix_cache = scheduler.kv_cache.prefix_cache
         return EngineStats(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
@@ -187,4 +188,6 @@ class EngineLoop:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_preemptions_total=scheduler.num_preemptions,
+            prefix_cache_queries_total=prefix_cache.queries if prefix_cache else 0,
+            prefix_cache_hits_total=prefix_cache.hits if prefix_cache else 0,
         )

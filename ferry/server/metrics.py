@@ -33,6 +33,10 @@ class _EngineCollector:
         yield CounterMetricFamily("ferry:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total)
         yield CounterMetricFamily("ferry:generation_tokens", "Tokens generated.", s.generation_tokens_total)
         yield CounterMetricFamily("ferry:num_preemptions", "Preemptions by recompute.", s.num_preemptions_total)
+        yield CounterMetricFamily("ferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  s.prefix_cache_queries_total)
+        yield CounterMetricFamily("ferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  s.prefix_cache_hits_total)
 
 
 class ServerMetrics:

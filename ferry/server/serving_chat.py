@@ -24,7 +24,7 @@ from ferry.server.metrics import ServerMetrics
 from ferry.server.preprocess import EnginePrompt, chat_prompt, check_context, check_fan_out, check_model, sampling_params
 from ferry.server.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionStreamChoice, ChatMessageOut, DeltaMessage, UsageInfo,
+    ChatCompletionStreamChoice, ChatMessageOut, DeltaMessage, PromptTokensDetails, UsageInfo,
 )
 
 
@@ -71,12 +71,14 @@ class ChatServing:
         for choice in choices:
             yield self._chunk(plan, choice.opening())
         first_token_seen = False
+        cached_tokens = 0
         try:
             stream = self.engine.generate(
                 plan.request_id, plan.prompt.token_ids, plan.params, plan.prompt.text, plan.cache_salt,
             )
             async with aclosing(stream) as outputs:
                 async for output in outputs:
+                    cached_tokens = output.num_cached_tokens
                     for completion in output.outputs:
                         delta = choices[completion.index].update(completion, self._decode)
                         if delta is not None:
@@ -90,7 +92,8 @@ class ChatServing:
             prompt_tokens = len(plan.prompt.token_ids)
             completion_tokens = sum(c.num_tokens for c in choices)
             usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=prompt_tokens + completion_tokens)
+                              total_tokens=prompt_tokens + completion_tokens,
+                              prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
             yield ChatCompletionChunk(id=plan.request_id, created=plan.created, model=plan.model, choices=[],
                                       usage=usage)
 

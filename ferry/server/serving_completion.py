@@ -28,7 +28,9 @@ from ferry.server.metrics import ServerMetrics
 from ferry.server.preprocess import (
     EnginePrompt, check_context, check_fan_out, check_model, completion_prompts, sampling_params,
 )
-from ferry.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, UsageInfo
+from ferry.server.protocol import (
+    CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, UsageInfo,
+)
 
 
 @dataclass(frozen=True)
@@ -84,9 +86,11 @@ class CompletionServing:
             for i, p in enumerate(plan.prompts)
         ]
         first_token_seen = False
+        cached_tokens = [0] * len(plan.prompts)
         try:
             async with aclosing(merge_streams(streams)) as outputs:
                 async for prompt_index, output in outputs:
+                    cached_tokens[prompt_index] = output.num_cached_tokens
                     for completion in output.outputs:
                         choice = choices[prompt_index * n + completion.index].update(output, completion, self._decode)
                         if choice is not None:
@@ -101,7 +105,8 @@ class CompletionServing:
             prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
             completion_tokens = sum(c.num_tokens for c in choices)
             usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=prompt_tokens + completion_tokens)
+                              total_tokens=prompt_tokens + completion_tokens,
+                              prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached_tokens)))
             yield CompletionResponse(id=plan.request_id, created=plan.created, model=plan.model, choices=[],
                                      usage=usage)
 
