@@ -16,7 +16,7 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     index: int  # which of the request's n completions
     text: str
@@ -31,7 +31,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt: str | None
