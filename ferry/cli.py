@@ -82,6 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     from ferry.server.cli import add_serve_command
 
     add_serve_command(commands)
+    from ferry.bench.cli import add_bench_command
+
+    add_bench_command(commands)
 
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,111 @@
+"""`ferry bench BENCHMARK ...`: the benchmarks' command line.
+
+Each benchmark is one entry of BENCH_COMMANDS: its options (defined here, with the standard library
+only, so that `ferry --help` stays fast and works without the benchmarks' HTTP client) and the
+module whose `main_from_args(args) -> int` runs it, imported only when that benchmark runs. A new
+benchmark is one more entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ferry.bench.datasets import WORKLOADS
+
+
+@dataclass(frozen=True)
+class BenchCommand:
+    name: str
+    help: str
+    add_args: Callable[[argparse.ArgumentParser], None]
+    module: str  # has main_from_args(args: argparse.Namespace) -> int
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_argument_group("server")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
+    target.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    target.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
+    target.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take in all")
+    target.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                        help="ask for exactly max_tokens tokens (vLLM's ignore_eos)")
+    target.add_argument("--extra-body", default=None, help="JSON object merged into every request, e.g. "
+                        "'{\"temperature\": 0}'")
+
+    data = parser.add_argument_group("workload")
+    data.add_argument("--dataset-name", default="random", choices=list(WORKLOADS))
+    data.add_argument("--num-prompts", type=int, default=1000, help="requests in all (turns, for multi-turn)")
+    data.add_argument("--random-input-len", type=int, default=1024,
+                      help="prompt tokens (shared-prefix: after the prefix; multi-turn: per user turn)")
+    data.add_argument("--random-output-len", type=int, default=128, help="tokens to generate per request")
+    data.add_argument("--random-range-ratio", type=float, default=0.0,
+                      help="lengths uniform in [len * (1 - r), len * (1 + r)]; 0: fixed")
+    data.add_argument("--prompt-token-ids", action="store_true",
+                      help="send prompts as token id lists (/v1/completions only)")
+    data.add_argument("--shared-prefix-groups", type=int, default=4, help="distinct prefixes (shared-prefix)")
+    data.add_argument("--shared-prefix-len", type=int, default=512, help="tokens of each prefix (shared-prefix)")
+    data.add_argument("--multi-turn-turns", type=int, default=4, help="turns per conversation (multi-turn)")
+    data.add_argument("--tokenizer", default=None,
+                      help="folder with the tokenizer.json to build prompts and count tokens with "
+                           "(default: the bundled model's)")
+    data.add_argument("--seed", type=int, default=0)
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=float("inf"),
+                      help="mean requests per second (conversations per second, for multi-turn); inf: all at once")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier, >1 more regular")
+    load.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight at once")
+    load.add_argument("--request-rate-sweep", default=None,
+                      help="comma-separated rates to run one after another, e.g. 1,2,4,inf (replaces --request-rate)")
+    load.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent before each run")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--metric-percentiles", default="90,99",
+                     help="comma-separated percentiles to report besides mean, median and std")
+    out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                     help="SLOs for goodput, NAME one of ttft, tpot, e2el, e.g. --goodput ttft:500 tpot:50")
+    out.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    out.add_argument("--save-result", default=None, metavar="PATH",
+                     help="write the summary and every request's figures as JSON")
+    out.add_argument("--plot-dir", default=None, metavar="DIR", help="write PNG plots here (needs matplotlib)")
+
+
+def _module_args(module: str) -> Callable[[argparse.ArgumentParser], None]:
+    """The options of an engine benchmark, defined in its own module (which imports torch lazily)."""
+    return lambda parser: importlib.import_module(module).add_args(parser)
+
+
+BENCH_COMMANDS: tuple[BenchCommand, ...] = (
+    BenchCommand("serve", "load an OpenAI-compatible server and report TTFT, TPOT, ITL, latency and throughput",
+                 add_serve_args, "ferry.bench.serve"),
+    BenchCommand("throughput", "offline throughput of the engine next to the roofline bound of the same work",
+                 _module_args("ferry.bench.throughput"), "ferry.bench.throughput"),
+    BenchCommand("latency", "batch-1 TTFT and per-token decode latency next to their roofline bounds",
+                 _module_args("ferry.bench.latency"), "ferry.bench.latency"),
+)
+
+
+def add_bench_command(subparsers) -> argparse._SubParsersAction:
+    """Register `bench` on the top-level parser's subcommands; returns the benchmarks' own
+    subcommands, to which more can be added."""
+    bench = subparsers.add_parser("bench", help="measure ferry, or any OpenAI-compatible server")
+    benchmarks = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
+    for command in BENCH_COMMANDS:
+        parser = benchmarks.add_parser(command.name, help=command.help, description=command.help)
+        command.add_args(parser)
+        parser.set_defaults(func=_runner(command.module))
+    return benchmarks
+
+
+def _runner(module: str) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        return importlib.import_module(module).main_from_args(args)
+
+    return run
