@@ -22,6 +22,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
+                        help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -30,6 +32,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         load_format=args.load_format, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
+        enforce_eager=args.enforce_eager,
     )
 
 

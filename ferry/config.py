@@ -139,6 +139,12 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+# Decode batch sizes that get a CUDA graph by default (as in vLLM): every power of two up to 8, then
+# every multiple of 8, so a batch is padded by at most 7 rows; above 256 a step's launches cost
+# little next to its matmuls, and each size more adds startup time and graph memory.
+_DEFAULT_GRAPH_SIZES = (1, 2, 4, *range(8, 257, 8))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
@@ -146,3 +152,25 @@ class EngineConfig:
     scheduler: SchedulerConfig
     device: str = "cpu"
     seed: int = 0
+    # False: decode steps of up to the largest of `cuda_graph_batch_sizes` requests replay CUDA
+    # graphs captured at startup (executor/cuda_graph.py); on a CPU they run the same padded batches
+    # eagerly. True (for now the default): every step runs eagerly.
+    enforce_eager: bool = True
+    # None: the defaults above, up to max_num_seqs (which is added when it falls between two).
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        sizes = self.cuda_graph_batch_sizes
+        if sizes is not None and (not sizes or min(sizes) < 1):
+            raise ValueError(f"cuda_graph_batch_sizes must be positive batch sizes, got {sizes}")
+
+    @property
+    def decode_graph_sizes(self) -> tuple[int, ...]:
+        """The decode batch sizes to capture, ascending; a step of n requests runs the smallest >= n."""
+        if self.cuda_graph_batch_sizes is not None:
+            return tuple(sorted(set(self.cuda_graph_batch_sizes)))
+        limit = self.scheduler.max_num_seqs
+        sizes = [s for s in _DEFAULT_GRAPH_SIZES if s <= limit]
+        if limit <= _DEFAULT_GRAPH_SIZES[-1] and sizes[-1] != limit:
+            sizes.append(limit)
+        return tuple(sizes)

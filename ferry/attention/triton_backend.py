@@ -9,6 +9,10 @@ pay off only for long-context decode rows beside a prefill chunk, whose time the
 
 No host-device synchronization: the launch sizes come from the metadata's host-side values
 (max_query_len, max_seq_len, query_start_loc_cpu, seq_lens_cpu), never from device tensors.
+
+Under a CUDA graph every launch is frozen at capture while the contexts grow at each replay, so a
+captured backend fixes the decode split count (`decode_num_splits`) and reads from the metadata's
+host values only what the graph fixes: the number of requests, and that each brings one token.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ from ferry.attention.kernels.store_kv import store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):
+    def __init__(self, decode_num_splits: int | None = None) -> None:
+        """decode_num_splits: cut every decode context into this many ranges, whatever its length
+        (the kernel handles any length with any count: trailing ranges of a short context are empty
+        and cost one early return each). None: choose per step from the longest context."""
+        self.decode_num_splits = decode_num_splits
+
     def forward(
         self,
         q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
@@ -41,7 +51,9 @@ class TritonAttentionBackend(AttentionBackend):
             return out
         if metadata.max_query_len == 1:
             # Every request brings exactly one token, so request i owns row i.
-            num_splits = choose_num_splits(metadata.num_reqs, kv_cache.shape[3], metadata.max_seq_len, q.device)
+            num_splits = self.decode_num_splits or choose_num_splits(
+                metadata.num_reqs, kv_cache.shape[3], metadata.max_seq_len, q.device
+            )
             decode_attention(
                 q[:num_real], kv_cache, metadata.block_tables, metadata.seq_lens, scale, out[:num_real], num_splits
             )

@@ -2,13 +2,15 @@
 
 The runner owns the model, the KV cache tensors and the sampler. Per request it remembers only what
 the scheduler sends once (block table, sampling params, tokens so far); each step's `SchedulerOutput`
-carries the changes.
+carries the changes. A step in which every request decodes one token may run through the decode
+graphs (cuda_graph.py): the same forward, padded to a captured batch size.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -18,6 +20,9 @@ from ferry.config import EngineConfig
 from ferry.core.outputs import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from ferry.sample import SamplerOutput, SamplingRow
 from ferry.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ferry.executor.cuda_graph import DecodeGraphRunner
 
 
 @dataclass
@@ -35,8 +40,9 @@ class ModelInputs:
     positions: torch.Tensor  # (num_tokens,)
     attn_metadata: AttentionMetadata
     # Rows of the hidden states whose logits are needed: the last token of every request that
-    # samples, then every token of chunks that asked for prompt logprobs.
-    logits_indices: torch.Tensor
+    # samples, then every token of chunks that asked for prompt logprobs. A padded decode batch
+    # (cuda_graph.py) needs its first n rows, a slice: a view, no gather.
+    logits_indices: torch.Tensor | slice
     sample_rows: list[int]  # index into scheduled of each request that samples
     prompt_logprob_rows: list[tuple[int, int, int]]  # (scheduled index, first logits row, count)
 
@@ -49,6 +55,7 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         backend: AttentionBackend,
         sampler,
+        decode_graphs: DecodeGraphRunner | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -57,6 +64,7 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.backend = backend
         self.sampler = sampler
+        self.decode_graphs = decode_graphs
         self.eos_token_ids = config.model.eos_token_ids
         self._states: dict[str, _RequestState] = {}
 
@@ -73,11 +81,16 @@ class ModelRunner:
             self.copy_blocks(scheduler_output.copy_blocks)
         if scheduler_output.is_empty:
             return ModelRunnerOutput([], [])
-        inputs = self.prepare_inputs(scheduler_output.scheduled)
-        ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
-        hidden = self.model(inputs.input_ids, inputs.positions, ctx)
+        scheduled = scheduler_output.scheduled
+        inputs = self.prepare_decode_graph(scheduled)
+        if inputs is not None:
+            hidden = self.decode_graphs.forward(inputs)
+        else:
+            inputs = self.prepare_inputs(scheduled)
+            ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
+            hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return self.sample(scheduler_output.scheduled, inputs, logits)
+        return self.sample(scheduled, inputs, logits)
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
@@ -144,6 +157,21 @@ class ModelRunner:
             logits_indices=to(logits_indices, torch.int64),
             sample_rows=sample_rows,
             prompt_logprob_rows=prompt_logprob_rows,
+        )
+
+    def prepare_decode_graph(self, scheduled: list[ScheduledRequest]) -> ModelInputs | None:
+        """The padded inputs of a step the decode graphs run, or None when it runs eagerly: no
+        graphs, a request that brings more than one token or asks for prompt logprobs, or more
+        requests than the largest graph."""
+        graphs = self.decode_graphs
+        if graphs is None or graphs.padded_size(len(scheduled)) is None:
+            return None
+        if not all(len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs for s in scheduled):
+            return None
+        return graphs.prepare(
+            [s.token_ids[0] for s in scheduled],
+            [s.start_pos for s in scheduled],
+            [self._states[s.request_id].block_ids for s in scheduled],
         )
 
     def _block_table(self, scheduled: list[ScheduledRequest], seq_lens: np.ndarray) -> np.ndarray:
@@ -236,7 +264,21 @@ def build_model_runner(config: EngineConfig) -> ModelRunner:
     num_blocks = _num_kv_blocks(config, kv_cache_bytes_per_block(config.model, config.cache.block_size))
     kv_caches = allocate_kv_caches(config.model, num_blocks, config.cache.block_size, device)
     backend = get_attention_backend(device)
-    return ModelRunner(config, model, kv_caches, backend, Sampler(seed=config.seed, device=device))
+    decode_graphs = _decode_graphs(config, model, kv_caches, backend)
+    return ModelRunner(config, model, kv_caches, backend, Sampler(seed=config.seed, device=device), decode_graphs)
+
+
+def _decode_graphs(config: EngineConfig, model, kv_caches: list[torch.Tensor], backend) -> DecodeGraphRunner | None:
+    """Unless enforce_eager: decode graphs, captured on a CUDA device (after the KV cache, whose
+    addresses they record); on a CPU they run the same padded batches eagerly."""
+    if config.enforce_eager:
+        return None
+    from ferry.executor.cuda_graph import DecodeGraphRunner
+
+    graphs = DecodeGraphRunner(model, kv_caches, backend, config.decode_graph_sizes, config.model.max_model_len)
+    if kv_caches[0].device.type == "cuda":
+        graphs.capture()
+    return graphs
 
 
 def _num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:

@@ -1,0 +1,240 @@
+"""Decode steps replayed from CUDA graphs: one launch for a whole forward instead of hundreds.
+
+A decode step of a 28-layer model launches some 400 small kernels. Launched one by one from Python
+each costs the host several microseconds, and at small batches the GPU finishes them faster than
+the host issues them. A CUDA graph records the launches once and replays them in one call. A graph
+freezes every launch's grid and every tensor's address, and that shapes this file:
+
+- Batch sizes come in buckets (`EngineConfig.decode_graph_sizes`). A step whose n requests each
+  decode one token runs the graph of the smallest captured size b >= n; rows n .. b-1 are padding.
+- The inputs live in static buffers that each step overwrites, real rows first, then padding:
+
+      int64 (3, max_b)  input_ids     [ t_0 .. t_n-1 |  0 ..  0 | not read ]
+                        positions     [ p_0 .. p_n-1 |  0 ..  0 | not read ]
+                        slot_mapping  [ s_0 .. s_n-1 | -1 .. -1 | not read ]
+                                        real rows      padding    rows >= b
+      int32 (max_b + max_b * max_blocks)
+                        [ seq_lens (max_b): p_i + 1, padding 1 | block_tables (max_b, max_blocks) ]
+
+  A padding row stores nothing (slot -1), attends to the one key at block 0, offset 0 (finite:
+  some request's key, or the zeros the cache starts with), and its output is dropped before the
+  logits. Rows never mix except in
+  attention, where each row sees only its own context, so padding cannot change a real row.
+- Block tables are max_blocks = ceil(max_model_len / block_size) wide, so every request the model's
+  length admits fits. A step writes only the first b rows, up to its longest table: entries past a
+  request's own blocks are stale and never read.
+- The attention backend is captured with a fixed decode split count per size, the one chosen for a
+  context of max_model_len (TritonAttentionBackend's `decode_num_splits`): every context up to
+  max_model_len is then split finely enough, and a short one leaves trailing splits empty.
+- The metadata's host values are frozen at capture; a captured backend reads from them only the
+  row count and that every row is one token (see triton_backend.py).
+
+Graphs are captured at startup, after the KV cache is allocated, largest size first, into one
+shared memory pool: a smaller graph's intermediates fit in memory the larger ones already use.
+A step does no host-device synchronization: two copies from pinned memory and one replay. The next
+step rewrites the pinned buffers only after this step's sampled tokens were read, which waited for
+the copies (a step that overlaps with the next one's preparation would need two sets).
+
+Without a captured graph (on a CPU), `forward` runs the model eagerly on the same padded static
+buffers, so everything but the capture itself is tested on CPU.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
+from ferry.executor.model_runner import ModelInputs
+
+logger = logging.getLogger(__name__)
+
+
+class _DecodeBuffers:
+    """The inputs of a decode batch of up to max_b rows, packed in two tensors (picture above)."""
+
+    def __init__(self, max_b: int, max_blocks: int, device: torch.device, pin_memory: bool = False) -> None:
+        self.max_b, self.max_blocks = max_b, max_blocks
+        self.int64 = torch.zeros(3, max_b, dtype=torch.int64, device=device, pin_memory=pin_memory)
+        self.int32 = torch.zeros(max_b * (1 + max_blocks), dtype=torch.int32, device=device, pin_memory=pin_memory)
+        self.input_ids, self.positions, self.slot_mapping = self.int64  # each (max_b,), a view
+        self.seq_lens = self.int32[:max_b]  # (max_b,)
+        self.block_tables = self.int32[max_b:].view(max_b, max_blocks)
+
+    def copy_rows_(self, src: _DecodeBuffers, b: int) -> None:
+        """Copy rows 0 .. b-1 of every input from `src` (asynchronously when it is pinned)."""
+        self.int64.copy_(src.int64, non_blocking=True)  # 3 * max_b values: cheaper whole than cut
+        used = self.max_b + b * self.max_blocks  # the seq_lens, then the first b table rows
+        self.int32[:used].copy_(src.int32[:used], non_blocking=True)
+
+    def fill_padding_(self) -> None:
+        """Every row padding: the state graphs are captured in (nothing stored, one key read)."""
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
+        self.block_tables.zero_()
+
+
+class DecodeGraphRunner:
+    """Runs steps in which every request decodes one token, padded to a captured batch size.
+
+    `prepare` pads a step into the static buffers and returns the inputs as views of them;
+    `forward` replays the graph of that size (or, without one, runs the model eagerly on them) and
+    returns the hidden states of all padded rows, of which the first n are the requests'.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        backend: AttentionBackend,
+        batch_sizes: Sequence[int],
+        max_model_len: int,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        _, _, self.block_size, num_kv_heads, _ = kv_caches[0].shape
+        self.device = kv_caches[0].device
+        self.max_model_len = max_model_len
+        max_b, max_blocks = self.batch_sizes[-1], -(-max_model_len // self.block_size)
+        fixed = {b: fixed_split_backend(backend, b, num_kv_heads, max_model_len, self.device) for b in self.batch_sizes}
+        self.capturable = all(fixed.values())
+        self.backends = {b: fixed[b] or backend for b in self.batch_sizes}
+        self._host = _DecodeBuffers(max_b, max_blocks, torch.device("cpu"), pin_memory=self.device.type == "cuda")
+        self._static = _DecodeBuffers(max_b, max_blocks, self.device)
+        self._query_start_loc = torch.arange(max_b + 1, dtype=torch.int32, device=self.device)  # one token a row
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}  # a graph's hidden states, (b, hidden_size)
+
+    @property
+    def max_blocks(self) -> int:
+        return self._static.max_blocks
+
+    @property
+    def num_captured(self) -> int:
+        return len(self._graphs)
+
+    def padded_size(self, num_reqs: int) -> int | None:
+        """The smallest captured size that holds num_reqs rows; None when none does."""
+        return next((b for b in self.batch_sizes if b >= num_reqs), None)
+
+    # ---- the step ----
+
+    def prepare(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> ModelInputs | None:
+        """Pad one decode step (request i brings token_ids[i] at positions[i], its KV blocks in
+        block_tables[i]) into the static buffers. None when it fits no graph: more requests than
+        the largest size, or a block table wider than max_model_len needs."""
+        n = len(token_ids)
+        b = self.padded_size(n)
+        lengths = np.fromiter(map(len, block_tables), np.int64, n)
+        if b is None or lengths.max() > self.max_blocks:
+            return None
+        h = self._host
+        ids, pos, slots = h.int64.numpy()  # views of the pinned buffers, rows (max_b,)
+        seq_lens, tables = h.seq_lens.numpy(), h.block_tables.numpy()
+        ids[:n], ids[n:b] = token_ids, 0
+        pos[:n], pos[n:b] = positions, 0
+        seq_lens[:n], seq_lens[n:b] = pos[:n] + 1, 1
+        width = int(lengths.max())
+        # Row i's first lengths[i] entries, in one vectorized assignment into a view of the buffer.
+        tables[:n, :width][np.arange(width) < lengths[:, None]] = np.fromiter(
+            itertools.chain.from_iterable(block_tables), np.int32, int(lengths.sum())
+        )
+        tables[n:b, 0] = 0
+        bs = self.block_size
+        slots[:n], slots[n:b] = tables[np.arange(n), pos[:n] // bs].astype(np.int64) * bs + pos[:n] % bs, -1
+        self._static.copy_rows_(h, b)
+        return self._inputs(b, n, seq_lens[:b].tolist())
+
+    def forward(self, inputs: ModelInputs) -> torch.Tensor:
+        """(b, hidden_size) hidden states of a batch `prepare` padded to b rows. A graph's replay
+        reads the static buffers that `inputs` views and writes the same output tensor each time:
+        use it before the next step."""
+        b = inputs.input_ids.shape[0]
+        graph = self._graphs.get(b)
+        if graph is None:
+            return self._eager(inputs)
+        graph.replay()
+        return self._outputs[b]
+
+    def _inputs(self, b: int, n: int, seq_lens_cpu: list[int]) -> ModelInputs:
+        """The first b rows of the static buffers as a step's inputs, of which n are real."""
+        s = self._static
+        metadata = AttentionMetadata(
+            slot_mapping=s.slot_mapping[:b],
+            query_start_loc=self._query_start_loc[: b + 1],
+            seq_lens=s.seq_lens[:b],
+            block_tables=s.block_tables[:b],
+            max_query_len=1,
+            max_seq_len=max(seq_lens_cpu),
+            query_start_loc_cpu=list(range(b + 1)),
+            seq_lens_cpu=seq_lens_cpu,
+        )
+        return ModelInputs(
+            input_ids=s.input_ids[:b], positions=s.positions[:b], attn_metadata=metadata,
+            logits_indices=slice(0, n), sample_rows=list(range(n)), prompt_logprob_rows=[],
+        )
+
+    def _eager(self, inputs: ModelInputs) -> torch.Tensor:
+        b = inputs.input_ids.shape[0]
+        ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backends[b])
+        return self.model(inputs.input_ids, inputs.positions, ctx)
+
+    # ---- startup ----
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Record one graph per batch size, largest first, each after an eager warm-up run that
+        compiles its kernels. All rows are padding meanwhile, so neither writes the KV cache."""
+        if self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+        if not self.capturable:
+            name = type(next(iter(self.backends.values()))).__name__
+            raise ValueError(f"the {name} attention backend cannot run in a CUDA graph: run with enforce_eager")
+        start = time.perf_counter()
+        self._static.fill_padding_()
+        pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.batch_sizes):
+            # Host values as the graph will meet them: any context up to max_model_len.
+            inputs = self._inputs(b, 0, [self.max_model_len] * b)
+            self._warm_up(inputs)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[b] = self._eager(inputs)
+            self._graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        logger.info("captured %d decode graphs (batch sizes %s) in %.1f s",
+                    len(self._graphs), self.batch_sizes, time.perf_counter() - start)
+
+    def _warm_up(self, inputs: ModelInputs) -> None:
+        # On a side stream, as torch's capture examples do: lazy initializations (cuBLAS workspaces,
+        # Triton's compilation) then happen outside the capture and off the stream it captures from.
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._eager(inputs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+
+
+def fixed_split_backend(
+    backend: AttentionBackend, batch_size: int, num_kv_heads: int, max_model_len: int, device: torch.device
+) -> AttentionBackend | None:
+    """The backend a padded decode batch of batch_size rows is captured with: Triton's, its decode
+    split count fixed to the one chosen for contexts of max_model_len. None for a backend that
+    cannot be captured (the torch reference loops over per-request host values)."""
+    # A TritonAttentionBackend instance means its module is loaded; importing it here otherwise
+    # would import Triton, which a CPU-only install may lack.
+    module = sys.modules.get("ferry.attention.triton_backend")
+    if module is None or not isinstance(backend, module.TritonAttentionBackend):
+        return None
+    from ferry.attention.kernels.decode_attention import choose_num_splits
+
+    return module.TritonAttentionBackend(choose_num_splits(batch_size, num_kv_heads, max_model_len, device))
