@@ -16,14 +16,25 @@ class LLM:
 
     >>> llm = LLM(model="path/to/model")
     >>> llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=32))[0].outputs[0].text
+
+    With `trace_dir`, every request is traced and `generate` leaves the traces there as Chrome trace
+    files, which Perfetto opens (see metrics/tracing.py).
     """
 
-    def __init__(self, model: str | Path | None = None, **engine_args) -> None:
+    def __init__(self, model: str | Path | None = None, trace_dir: str | Path | None = None, **engine_args) -> None:
         if model is None:
             from ferry.assets import default_model_path
 
             model = default_model_path()
-        self.engine = LLMEngine.from_config(make_engine_config(model, **engine_args))
+        self.trace_writer = None
+        tracer = None
+        if trace_dir is not None:
+            from ferry.metrics.trace_writer import TraceWriter
+            from ferry.metrics.tracing import RequestTracer
+
+            self.trace_writer = TraceWriter(Path(trace_dir))
+            tracer = RequestTracer(self.trace_writer.add)
+        self.engine = LLMEngine.from_config(make_engine_config(model, **engine_args), tracer)
         self._ids = itertools.count()
 
     @property
@@ -51,6 +62,9 @@ class LLM:
             for request_id in request_ids:
                 self.engine.abort_request(request_id)
             raise
+        finally:
+            if self.trace_writer is not None:
+                self.trace_writer.flush()
 
     def chat(
         self,

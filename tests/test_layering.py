@@ -31,6 +31,17 @@ def test_core_is_pure_bookkeeping(path):
         assert name.split(".")[0] not in ("torch", "triton", "fastapi", "uvicorn"), f"{path.name} imports {name}"
 
 
+@pytest.mark.parametrize("path", files_of("metrics"), ids=lambda p: p.name)
+def test_metrics_only_watch(path):
+    # Fed by the engine and the server, it knows neither: it reads the core's and the engine's
+    # plain data (SchedulerOutput, RequestOutput), in the standard library alone.
+    allowed = ("ferry.metrics", "ferry.core", "ferry.outputs")
+    for name in ferry_imports(path):
+        if name.startswith("ferry"):
+            assert name.startswith(allowed), f"{path.name} imports {name}"
+        assert name.split(".")[0] not in ("torch", "triton", "fastapi", "uvicorn", "prometheus_client"), name
+
+
 @pytest.mark.parametrize(
     "path", files_of("models") + files_of("layers") + files_of("attention"), ids=lambda p: p.name
 )

@@ -42,6 +42,9 @@ class SchedulerOutput:
     # (source, destination) KV blocks to copy before the forward: a fully cached prompt's last
     # block, which its request must own to recompute its last token (see core/kv_cache_manager.py).
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Requests this step's schedule() preempted (also in finished_request_ids, for the runner); they
+    # wait again, to be recomputed. Nothing in a step needs them: they are there to be observed.
+    preempted_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -34,6 +34,7 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._pending_updates: list[RequestUpdate] = []
         self.num_preemptions = 0
+        self._preempted_ids: list[str] = []  # in this schedule()
 
     # ---- admission and removal ----
 
@@ -84,6 +85,7 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         copy_blocks: list[tuple[int, int]] = []
         self.kv_cache.begin_step()
+        self._preempted_ids = []
         preemptions_before = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
@@ -104,6 +106,7 @@ class Scheduler:
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_request_ids=self._take_finished_ids(),
             copy_blocks=copy_blocks,
+            preempted_request_ids=self._preempted_ids,
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
@@ -132,6 +135,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self._preempted_ids.append(request.request_id)
         self._finished_ids.add(request.request_id)  # the runner drops its state; it starts anew
         self.waiting.appendleft(request)
 

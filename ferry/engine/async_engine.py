@@ -11,7 +11,8 @@ not one per token.
 
 Leaving a `generate` loop early (a client that went away, a cancelled task) aborts the request in
 the engine, which frees its KV blocks at once. When the engine process dies, every stream fails
-with `EngineDeadError` and `is_alive` turns False for good.
+with `EngineDeadError` and `is_alive` turns False for good. Started with `trace=True`, the engine
+sends the traces of the requests that finish, and `trace_sink` gets them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import asyncio
 import multiprocessing
 import socket
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +30,7 @@ from ferry.engine.messages import (
     HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, Message,
     RequestFailed, Shutdown, StepOutputs, decode, encode, frame_length,
 )
+from ferry.metrics.tracing import RequestTrace
 from ferry.outputs import CompletionOutput, RequestOutput
 from ferry.sampling_params import RequestOutputKind, SamplingParams
 
@@ -56,6 +58,7 @@ class AsyncEngine:
         self.info = info
         self.tokenizer = tokenizer
         self.stats = EngineStats()
+        self.trace_sink: Callable[[list[RequestTrace]], None] | None = None
         self._process = process
         self._reader = reader
         self._writer = writer
@@ -66,14 +69,16 @@ class AsyncEngine:
     @classmethod
     async def start(
         cls, model: str | Path, engine_kwargs: dict[str, Any], threads: int | None = None,
-        timeout_s: float = 900.0,
+        timeout_s: float = 900.0, trace: bool = False,
     ) -> AsyncEngine:
         """Spawn the engine process, wait until its model is loaded, and load the tokenizer here
-        (the server tokenizes, so the engine's core spends its time on the model)."""
+        (the server tokenizes, so the engine's core spends its time on the model). With `trace`,
+        the engine traces every request (see metrics/tracing.py)."""
         parent_sock, child_sock = socket.socketpair()
         # spawn, not fork: a forked copy of a server with threads and an event loop is unsafe.
         process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(str(model), engine_kwargs, child_sock, threads), name="ferry-engine",
+            target=run_engine_process, args=(str(model), engine_kwargs, child_sock, threads, trace),
+            name="ferry-engine",
         )
         process.start()
         child_sock.close()  # the child holds its own copy; ours would hide the child's exit from us
@@ -176,6 +181,8 @@ class AsyncEngine:
     def _dispatch(self, message: Message) -> None:
         if isinstance(message, StepOutputs):
             self.stats = message.stats
+            if message.traces and self.trace_sink is not None:
+                self.trace_sink(message.traces)
             for output in message.outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:  # else: aborted here while its last step ran

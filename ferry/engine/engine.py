@@ -5,11 +5,13 @@
              ─► OutputProcessor.process (text, stop strings) ─► RequestOutputs
 
 The engine is synchronous and single-threaded; the offline `LLM` drains it in a loop and the server
-runs it in a loop of its own.
+runs it in a loop of its own. Given a `RequestTracer`, it tells it what each step did to each
+request (see metrics/tracing.py); without one, tracing costs nothing.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +25,7 @@ from ferry.outputs import RequestOutput
 from ferry.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from ferry.metrics.tracing import RequestTracer
     from ferry.tokenizer import Tokenizer
 
 # A prompt is text, or a dict (vLLM's form): {"prompt_token_ids": [...]} or {"prompt": "..."}, with
@@ -31,7 +34,9 @@ PromptType = str | dict[str, Any]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, model_runner, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self, config: EngineConfig, model_runner, tokenizer: Tokenizer | None, tracer: RequestTracer | None = None,
+    ) -> None:
         self.config = config
         self.model_runner = model_runner
         self.tokenizer = tokenizer
@@ -40,12 +45,13 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, kv_cache)
         self.output_processor = OutputProcessor(tokenizer)
+        self.tracer = tracer
         self.eos_token_ids = config.model.eos_token_ids or (
             (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
         )
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
+    def from_config(cls, config: EngineConfig, tracer: RequestTracer | None = None) -> LLMEngine:
         from ferry.executor.model_runner import build_model_runner
 
         tokenizer = None
@@ -53,7 +59,7 @@ class LLMEngine:
             from ferry.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_pretrained(config.model.path)
-        return cls(config, build_model_runner(config), tokenizer)
+        return cls(config, build_model_runner(config), tokenizer, tracer)
 
     # ---- requests in ----
 
@@ -76,6 +82,8 @@ class LLMEngine:
         except ValueError:
             self.abort_request(request_id)
             raise
+        if self.tracer is not None:
+            self.tracer.queued(child_ids, time.monotonic())
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -114,6 +122,8 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         child_ids = self.output_processor.abort_request(request_id)
         self.scheduler.finish_requests(child_ids, FinishReason.ABORT)
+        if self.tracer is not None:
+            self.tracer.finished(child_ids, str(FinishReason.ABORT), time.monotonic())
 
     # ---- the step ----
 
@@ -121,12 +131,19 @@ class LLMEngine:
         return self.output_processor.num_unfinished_requests > 0 or self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        # A request's queue time ends when it is first scheduled (new: admitted, or resumed).
+        self.output_processor.mark_scheduled([s.request_id for s in scheduler_output.scheduled if s.new], start)
         runner_output = self.model_runner.execute(scheduler_output)
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, FinishReason.STOP)
+        if self.tracer is not None:
+            end = time.monotonic()
+            self.tracer.step(scheduler_output, updates, start, end)
+            self.tracer.finished(stopped, str(FinishReason.STOP), end)
         return outputs
 
 
@@ -149,6 +166,8 @@ def make_engine_config(
     seed: int = 0,
     load_format: str = "auto",
     enable_prefix_caching: bool = True,
+    enforce_eager: bool = True,
+    cuda_graph_batch_sizes: list[int] | tuple[int, ...] | None = None,
 ) -> EngineConfig:
     """The engine's configuration from `LLM`'s keyword arguments."""
     model_config = ModelConfig.from_pretrained(model, dtype, max_model_len, load_format)
@@ -160,4 +179,6 @@ def make_engine_config(
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_config.max_model_len),
         device=device,
         seed=seed,
+        enforce_eager=enforce_eager,
+        cuda_graph_batch_sizes=None if cuda_graph_batch_sizes is None else tuple(cuda_graph_batch_sizes),
     )

@@ -7,7 +7,9 @@ own): the server's `AsyncEngine` starts it and talks to it over a local socket p
 The loop blocks on the inbox only while the engine has nothing to do; otherwise it takes what has
 arrived between two steps, applies it, and steps. Every step sends one `StepOutputs` with the
 outputs of all requests that moved and the stats after the step, so the server's gauges follow
-the engine step by step (an abort that frees KV blocks sends one too, without a step).
+the engine step by step (an abort that frees KV blocks sends one too, without a step). With
+tracing on, it also carries the traces of the requests that finished; the server keeps and writes
+them, so the engine's process spends no time on files.
 
 If the server goes away (the socket closes), the loop ends: an engine nobody can reach only burns
 the machine. If the engine fails, it says why (`EngineFailed`) and the process exits non-zero.
@@ -28,11 +30,15 @@ from ferry.engine.messages import (
     HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, Message,
     RequestFailed, Shutdown, StepOutputs, decode, encode, frame_length,
 )
+from ferry.metrics.tracing import RequestTrace, RequestTracer
 from ferry.outputs import RequestOutput
 
 
-def run_engine_process(model: str, engine_kwargs: dict[str, Any], sock: socket.socket, threads: int | None) -> None:
-    """The engine process's entry point (the target of a spawned `multiprocessing.Process`)."""
+def run_engine_process(
+    model: str, engine_kwargs: dict[str, Any], sock: socket.socket, threads: int | None, trace: bool = False,
+) -> None:
+    """The engine process's entry point (the target of a spawned `multiprocessing.Process`). With
+    `trace`, finished requests' traces go to the server with the step outputs."""
     # Ctrl-C reaches the whole process group; the server shuts the engine down in order instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = Channel(sock)
@@ -44,8 +50,10 @@ def run_engine_process(model: str, engine_kwargs: dict[str, Any], sock: socket.s
         threads = threads if threads is not None else default_threads(engine_kwargs.get("device", "cpu"))
         if threads is not None:
             torch.set_num_threads(threads)
-        engine = LLMEngine.from_config(make_engine_config(model, **engine_kwargs))
-        EngineLoop(engine, channel).run()
+        finished_traces: list[RequestTrace] = []
+        tracer = RequestTracer(finished_traces.append) if trace else None
+        engine = LLMEngine.from_config(make_engine_config(model, **engine_kwargs), tracer)
+        EngineLoop(engine, channel, finished_traces).run()
     except BaseException:
         _report_failure(channel)
         sys.exit(1)
@@ -96,9 +104,11 @@ class Channel:
 
 
 class EngineLoop:
-    def __init__(self, engine, channel: Channel) -> None:
+    def __init__(self, engine, channel: Channel, finished_traces: list[RequestTrace] | None = None) -> None:
         self.engine = engine
         self.channel = channel
+        # Where the engine's tracer puts finished requests' traces; each message takes them all.
+        self._finished_traces = finished_traces if finished_traces is not None else []
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         # Requests whose prompt logprobs have not been sent yet -> their prompt length.
         self._prompt_logprobs_due: dict[str, int] = {}
@@ -118,7 +128,8 @@ class EngineLoop:
                 outputs = self.engine.step()
                 changed = True
             if changed:
-                self.channel.send(StepOutputs([self._for_wire(o) for o in outputs], self._stats()))
+                wire_outputs = [self._for_wire(o) for o in outputs]
+                self.channel.send(StepOutputs(wire_outputs, self._stats(), self._take_traces()))
 
     def _read(self) -> None:
         try:
@@ -168,6 +179,11 @@ class EngineLoop:
         if output.finished:
             self._prompt_logprobs_due.pop(output.request_id, None)
         return output
+
+    def _take_traces(self) -> list[RequestTrace]:
+        traces = list(self._finished_traces)
+        self._finished_traces.clear()
+        return traces
 
     def _info(self) -> EngineInfo:
         config = self.engine.config

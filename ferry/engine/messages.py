@@ -10,7 +10,8 @@ channel is ever unpickled or imported by name.
 
 Step outputs are deltas (`RequestOutputKind.DELTA`) and leave out the prompt and its token ids:
 the server sent them, keeps them, and puts them back (`AsyncEngine`). Prompt logprobs travel once,
-in the first output that has all of them.
+in the first output that has all of them. With tracing on, a step's message also carries the
+traces of the requests that finished in it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import struct
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ferry.metrics.tracing import RequestTrace, TraceEvent
 from ferry.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from ferry.sampling_params import RequestOutputKind, SamplingParams
 
@@ -111,18 +113,21 @@ class EngineReady:
 @dataclass(frozen=True)
 class StepOutputs:
     """One engine step's outputs (possibly none: a step-less change such as an abort still moves
-    the gauges) and the stats after it."""
+    the gauges), the stats after it, and the traces of requests that finished (tracing on)."""
 
     outputs: list[RequestOutput]
     stats: EngineStats = field(default_factory=EngineStats)
+    traces: list[RequestTrace] = field(default_factory=list)
 
     def to_json(self) -> Any:
-        return [[_output_to_json(o) for o in self.outputs], _flat_to_json(self.stats)]
+        return [[_output_to_json(o) for o in self.outputs], _flat_to_json(self.stats),
+                [_trace_to_json(t) for t in self.traces]]
 
     @classmethod
     def from_json(cls, body: Any) -> StepOutputs:
-        outputs, stats = body
-        return cls([_output_from_json(o) for o in outputs], _flat_from_json(EngineStats, stats))
+        outputs, stats, traces = body
+        return cls([_output_from_json(o) for o in outputs], _flat_from_json(EngineStats, stats),
+                   [_trace_from_json(t) for t in traces])
 
 
 @dataclass(frozen=True)
@@ -275,6 +280,24 @@ def _logprobs_list_from_json(body: list | None) -> list[PositionLogprobs | None]
         None if p is None else {int(t): Logprob(float(lp), rank, decoded) for t, lp, rank, decoded in p}
         for p in body
     ]
+
+
+def _trace_to_json(trace: RequestTrace) -> list:
+    return [trace.request_id, trace.track, [[e.name, e.start, e.duration, e.args] for e in trace.events]]
+
+
+def _trace_from_json(body: list) -> RequestTrace:
+    request_id, track, events = body
+    return RequestTrace(_str(request_id), int(track), tuple(_event_from_json(e) for e in events))
+
+
+def _event_from_json(body: list) -> TraceEvent:
+    name, start, duration, args = body
+    if not isinstance(args, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float, str)) for k, v in args.items()
+    ):
+        raise ValueError("a trace event's args must map names to numbers or strings")
+    return TraceEvent(_str(name), float(start), None if duration is None else float(duration), args)
 
 
 def _str(x: Any) -> str:

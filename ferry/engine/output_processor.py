@@ -56,6 +56,7 @@ class _RequestState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None  # when the first of its sequences was first scheduled
     first_token_time: float | None = None
 
     @property
@@ -108,6 +109,14 @@ class OutputProcessor:
         for child_id in child_ids:
             self._children.pop(child_id, None)
         return child_ids
+
+    def mark_scheduled(self, request_ids: list[str], now: float) -> None:
+        """Sequences the scheduler admitted at `now` (for the first time, or again after a
+        preemption): the first one ends its request's queue time."""
+        for request_id in request_ids:
+            entry = self._children.get(request_id)
+            if entry is not None and entry[0].first_scheduled_time is None:
+                entry[0].first_scheduled_time = now
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -253,6 +262,8 @@ class OutputProcessor:
     @staticmethod
     def _metrics(state: _RequestState) -> dict[str, float]:
         metrics = {"arrival_time": state.arrival_time}
+        if state.first_scheduled_time is not None:
+            metrics["first_scheduled_time"] = state.first_scheduled_time
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time
         return metrics

@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -23,6 +24,7 @@ from ferry import __version__
 from ferry.engine.async_engine import AsyncEngine
 from ferry.engine.messages import EngineStats
 from ferry.server.admission import Admission
+from ferry.server.arrival import ArrivalTimeMiddleware, arrival_time
 from ferry.server.auth import ApiKeyMiddleware
 from ferry.server.config import ServerConfig
 from ferry.server.errors import ApiError, bad_request, error_response, handle_http_exception, handle_unexpected
@@ -35,17 +37,19 @@ from ferry.server.protocol import (
 from ferry.server.serving_chat import ChatServing
 from ferry.server.serving_completion import CompletionServing
 from ferry.server.streaming import EventStreamResponse, api_error, sse_events, until_disconnected
+from ferry.server.traces import TraceLog
 
 EngineStarter = Callable[[], Awaitable[AsyncEngine]]
 
 
 class ServerState:
-    """What the routes share: the engine, admission, metrics, and the two serving paths."""
+    """What the routes share: the engine, admission, metrics, traces, and the two serving paths."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
         self.admission = Admission(config.max_pending_requests)
         self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else EngineStats())
+        self.traces = TraceLog(Path(config.trace_dir)) if config.trace_dir is not None else None
         self.engine: AsyncEngine | None = None
         self.completions: CompletionServing | None = None
         self.chat: ChatServing | None = None
@@ -53,12 +57,14 @@ class ServerState:
 
     def attach(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        if self.traces is not None:
+            engine.trace_sink = self.traces.add
         self.completions = CompletionServing(engine, self.config, self.metrics)
         self.chat = ChatServing(engine, self.config, self.metrics)
 
     async def respond(self, request: Request, serving: CompletionServing | ChatServing, body: SamplingFields) -> Response:
         """Plan the request, admit its engine requests, then stream its chunks or send their fold."""
-        plan = serving.plan(body)
+        plan = serving.plan(body, arrival_time(request))
         if self.engine is None or not self.engine.is_alive:
             raise ApiError(503, "the engine is not running", code="engine_dead")
         ticket = self.admission.admit(plan.num_engine_requests)
@@ -100,10 +106,14 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
     async def lifespan(app: FastAPI):
         engine = await start_engine()
         state.attach(engine)
+        flusher = asyncio.create_task(state.traces.flush_periodically()) if state.traces is not None else None
         try:
             yield
         finally:
             await engine.shutdown()
+            if flusher is not None:
+                flusher.cancel()
+                state.traces.writer.flush()
 
     app = FastAPI(title="ferry", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -120,6 +130,7 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
     app.add_exception_handler(Exception, handle_unexpected)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    app.add_middleware(ArrivalTimeMiddleware)  # the last added is the outermost
     return app
 
 
@@ -142,6 +153,14 @@ async def version() -> dict:
 
 async def metrics(request: Request) -> Response:
     return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+async def traces(request: Request) -> Response:
+    """The most recent requests' traces, as Chrome trace JSON (`?request_id=` narrows them)."""
+    log = _state(request).traces
+    if log is None:
+        raise ApiError(404, "tracing is off: start the server with --trace-dir DIR", code="tracing_off")
+    return Response(log.recent_json(request.query_params.get("request_id")), media_type="application/json")
 
 
 async def models(request: Request) -> Response:
@@ -196,6 +215,7 @@ ROUTES = [
     ("/health", "GET", health),
     ("/version", "GET", version),
     ("/metrics", "GET", metrics),
+    ("/v1/traces", "GET", traces),
     ("/v1/models", "GET", models),
     ("/v1/completions", "POST", completions),
     ("/v1/chat/completions", "POST", chat_completions),

@@ -37,6 +37,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
     parser.add_argument("--drain-timeout", type=float, default=defaults.drain_timeout_s,
                         help="seconds in-flight requests get to finish after SIGTERM")
+    parser.add_argument("--trace-dir", default=None,
+                        help="trace every request: Chrome trace files (open them in ui.perfetto.dev) go to this "
+                             "folder, and the most recent are served at GET /v1/traces")
     parser.add_argument("--engine-threads", type=int, default=None,
                         help="torch threads of the engine process (default on CPU: all cores but one)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -61,9 +64,11 @@ def serve(args: argparse.Namespace) -> int:
         max_stop_strings=args.max_stop_strings,
         max_body_bytes=args.max_body_bytes,
         drain_timeout_s=args.drain_timeout,
+        trace_dir=args.trace_dir,
     )
     kwargs = engine_kwargs(args)
-    app = build_app(config, lambda: AsyncEngine.start(model, kwargs, threads=args.engine_threads))
+    trace = config.trace_dir is not None
+    app = build_app(config, lambda: AsyncEngine.start(model, kwargs, threads=args.engine_threads, trace=trace))
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         log_level=args.log_level, access_log=not args.no_access_log,

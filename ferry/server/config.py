@@ -17,6 +17,7 @@ class ServerConfig:
     max_stop_strings: int = 16
     max_body_bytes: int = 32 << 20  # a body over this gets 413 (32 MiB: a few batches of long prompts)
     drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight requests may take to finish
+    trace_dir: str | None = None  # trace every request, write the traces here, serve them at /v1/traces
 
     def __post_init__(self) -> None:
         for name in ("max_pending_requests", "max_fan_out", "max_stop_strings", "max_body_bytes"):

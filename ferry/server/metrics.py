@@ -1,23 +1,40 @@
 """Prometheus metrics at /metrics, named like vLLM's with the `ferry:` prefix.
 
-The engine's gauges and token counters come from the stats that the engine process sends with every
-step (read at scrape time, so they cost nothing between scrapes); request outcomes and latencies
-are counted here, where the requests end. Every metric lives in this server's own registry, not
-prometheus_client's global one.
+The engine's gauges and counters (running, waiting, KV cache usage, prompt and generation tokens,
+preemptions, prefix cache) come from the stats that the engine process sends with every step (read
+at scrape time, so they cost nothing between scrapes). Request outcomes and latencies are measured
+here, where the outputs reach the server, by a `RequestClock` per engine request (see
+metrics/latency.py for the definitions):
+
+    ferry:time_to_first_token_seconds    server arrival -> first token, per engine request
+    ferry:inter_token_latency_seconds    per completion, between successive deltas (streamed chunks)
+    ferry:e2e_request_latency_seconds    server arrival -> finished, per finished engine request
+    ferry:request_queue_time_seconds     engine arrival -> first scheduled (the engine's clock)
+
+An engine request is one prompt with its n completions: a completions call with a list of P
+prompts counts P times. Every metric lives in this server's own registry, not prometheus_client's
+global one.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from ferry.engine.messages import EngineStats
+from ferry.metrics.latency import Latencies
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# vLLM's buckets, with finer ones where a fast GPU puts small models: a decode step of a few ms, a
+# queue time of none at all, a short request well under a second.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0,
+                    20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 class _EngineCollector:
@@ -52,22 +69,36 @@ class ServerMetrics:
             registry=self.registry,
         )
         self.time_to_first_token = Histogram(
-            "ferry:time_to_first_token_seconds", "From arrival to the first generated token.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "ferry:time_to_first_token_seconds", "From the server's arrival of a request to its first token.",
+            buckets=_TTFT_BUCKETS, registry=self.registry,
+        )
+        self.inter_token_latency = Histogram(
+            "ferry:inter_token_latency_seconds", "Time between successive output deltas (chunks) of a completion.",
+            buckets=_ITL_BUCKETS, registry=self.registry,
         )
         self.e2e_latency = Histogram(
-            "ferry:e2e_request_latency_seconds", "From arrival to the last token.",
-            buckets=_LATENCY_BUCKETS, registry=self.registry,
+            "ferry:e2e_request_latency_seconds", "From the server's arrival of a request to its last token.",
+            buckets=_REQUEST_BUCKETS, registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            "ferry:request_queue_time_seconds", "From the engine's arrival of a request to its first schedule.",
+            buckets=_REQUEST_BUCKETS, registry=self.registry,
         )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def first_token(self, arrival: float) -> None:
-        self.time_to_first_token.observe(time.monotonic() - arrival)
+    def observe(self, latencies: Latencies) -> None:
+        if latencies.time_to_first_token is not None:
+            self.time_to_first_token.observe(latencies.time_to_first_token)
+        for gap in latencies.inter_token_latencies:
+            self.inter_token_latency.observe(gap)
+        if latencies.e2e_latency is not None:
+            self.e2e_latency.observe(latencies.e2e_latency)
+        if latencies.queue_time is not None:
+            self.queue_time.observe(latencies.queue_time)
 
-    def finished(self, arrival: float, finish_reasons: Iterable[str]) -> None:
-        """One HTTP request is over: its latency, and how each of its completions ended."""
-        self.e2e_latency.observe(time.monotonic() - arrival)
+    def finished(self, finish_reasons: Iterable[str]) -> None:
+        """One HTTP request is over: how each of its completions ended."""
         for reason in finish_reasons:
             self.request_success.labels(reason).inc()

@@ -15,6 +15,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from ferry.engine.async_engine import AsyncEngine
+from ferry.metrics.latency import RequestClock
 from ferry.outputs import CompletionOutput
 from ferry.sampling_params import SamplingParams
 from ferry.server.config import ServerConfig
@@ -39,6 +40,7 @@ class ChatPlan:
     params: SamplingParams
     top_logprobs: int | None  # None: no logprobs
     cache_salt: str | None
+    arrival_time: float  # time.monotonic() when it reached the server: its latencies count from here
     num_engine_requests = 1  # the engine runs the n choices as one request
 
 
@@ -48,7 +50,7 @@ class ChatServing:
         self.config = config
         self.metrics = metrics
 
-    def plan(self, request: ChatCompletionRequest) -> ChatPlan:
+    def plan(self, request: ChatCompletionRequest, arrival_time: float) -> ChatPlan:
         """Render and check the request against the model and the server's limits; raises ApiError."""
         check_model(request.model, self.config)
         if request.top_logprobs is not None and not request.logprobs:
@@ -62,15 +64,14 @@ class ChatServing:
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = sampling_params(request, self.config, self.engine, max_tokens, top_logprobs)
         return ChatPlan(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name, prompt, params,
-                        top_logprobs, request.cache_salt)
+                        top_logprobs, request.cache_salt, arrival_time)
 
     async def chunks(self, plan: ChatPlan, include_usage: bool) -> AsyncIterator[ChatCompletionChunk]:
         """The stream: a role chunk per choice, content chunks, then (include_usage) a usage chunk."""
-        arrival = time.monotonic()
         choices = [_Choice(i, plan.top_logprobs) for i in range(plan.params.n)]
         for choice in choices:
             yield self._chunk(plan, choice.opening())
-        first_token_seen = False
+        clock = RequestClock(plan.arrival_time)
         cached_tokens = 0
         try:
             stream = self.engine.generate(
@@ -78,16 +79,14 @@ class ChatServing:
             )
             async with aclosing(stream) as outputs:
                 async for output in outputs:
+                    self.metrics.observe(clock.update(output, time.monotonic()))
                     cached_tokens = output.num_cached_tokens
                     for completion in output.outputs:
                         delta = choices[completion.index].update(completion, self._decode)
                         if delta is not None:
                             yield self._chunk(plan, delta)
-                    if not first_token_seen and any(c.num_tokens for c in choices):
-                        first_token_seen = True
-                        self.metrics.first_token(arrival)
         finally:
-            self.metrics.finished(arrival, [c.finish_reason or "abort" for c in choices])
+            self.metrics.finished([c.finish_reason or "abort" for c in choices])
         if include_usage:
             prompt_tokens = len(plan.prompt.token_ids)
             completion_tokens = sum(c.num_tokens for c in choices)

@@ -19,6 +19,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from ferry.engine.async_engine import AsyncEngine
+from ferry.metrics.latency import RequestClock
 from ferry.outputs import CompletionOutput, RequestOutput
 from ferry.sampling_params import SamplingParams
 from ferry.server.config import ServerConfig
@@ -46,6 +47,7 @@ class CompletionPlan:
     logprobs: int | None
     score_only: bool  # max_tokens=0 with echo
     cache_salt: str | None
+    arrival_time: float  # time.monotonic() when it reached the server: its latencies count from here
 
     @property
     def num_engine_requests(self) -> int:
@@ -58,7 +60,7 @@ class CompletionServing:
         self.config = config
         self.metrics = metrics
 
-    def plan(self, request: CompletionRequest) -> CompletionPlan:
+    def plan(self, request: CompletionRequest, arrival_time: float) -> CompletionPlan:
         """Check the request against the model and the server's limits; raises ApiError."""
         check_model(request.model, self.config)
         prompts = completion_prompts(request.prompt, self.engine)
@@ -73,34 +75,31 @@ class CompletionServing:
         params = sampling_params(request, self.config, self.engine, max_tokens, request.logprobs, prompt_logprobs)
         return CompletionPlan(
             f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.config.served_model_name, prompts, params,
-            request.echo, request.logprobs, score_only, request.cache_salt,
+            request.echo, request.logprobs, score_only, request.cache_salt, arrival_time,
         )
 
     async def chunks(self, plan: CompletionPlan, include_usage: bool) -> AsyncIterator[CompletionResponse]:
         """The stream: chunks of one choice each, then (include_usage) one usage chunk."""
-        arrival = time.monotonic()
         n = plan.params.n
         choices = [_Choice(i * n + j, prompt, plan) for i, prompt in enumerate(plan.prompts) for j in range(n)]
         streams = [
             self.engine.generate(f"{plan.request_id}-{i}", p.token_ids, plan.params, p.text, plan.cache_salt)
             for i, p in enumerate(plan.prompts)
         ]
-        first_token_seen = False
+        clocks = [RequestClock(plan.arrival_time) for _ in plan.prompts]
         cached_tokens = [0] * len(plan.prompts)
         try:
             async with aclosing(merge_streams(streams)) as outputs:
                 async for prompt_index, output in outputs:
+                    self.metrics.observe(clocks[prompt_index].update(output, time.monotonic()))
                     cached_tokens[prompt_index] = output.num_cached_tokens
                     for completion in output.outputs:
                         choice = choices[prompt_index * n + completion.index].update(output, completion, self._decode)
                         if choice is not None:
                             yield CompletionResponse(id=plan.request_id, created=plan.created, model=plan.model,
                                                      choices=[choice])
-                    if not first_token_seen and any(c.num_tokens for c in choices):
-                        first_token_seen = True
-                        self.metrics.first_token(arrival)
         finally:
-            self.metrics.finished(arrival, [c.finish_reason or "abort" for c in choices])
+            self.metrics.finished([c.finish_reason or "abort" for c in choices])
         if include_usage:
             prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
             completion_tokens = sum(c.num_tokens for c in choices)
