@@ -62,6 +62,7 @@ def timed_step(engine: LLMEngine) -> dict[str, float]:
     runner = engine.model_runner
     t0 = time.perf_counter()
     scheduler_output = engine.scheduler.schedule()
+    engine.output_processor.mark_scheduled([s.request_id for s in scheduler_output.scheduled if s.new], t0)
     t1 = time.perf_counter()
     runner.update_states(scheduler_output)
     inputs = runner.prepare_inputs(scheduler_output.scheduled)
