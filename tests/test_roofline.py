@@ -200,11 +200,11 @@ def test_config_only_folder_runs_with_dummy_weights(tmp_path, capsys):
 
 
 def test_subcommands_register():
+    from ferry.bench.cli import add_bench_command
+
     parser = argparse.ArgumentParser()
-    subparsers = parser.add_subparsers()
-    throughput.add_parser(subparsers)
-    latency.add_parser(subparsers)
-    args = parser.parse_args(["throughput", "--input-len", "100", "1024", "--output-len", "512"])
-    assert args.func is throughput.main_from_args and args.input_len == [100, 1024]
-    args = parser.parse_args(["latency", "--batch-size", "4"])
-    assert args.func is latency.main_from_args and args.max_num_seqs is None and args.device == "auto"
+    add_bench_command(parser.add_subparsers())
+    args = parser.parse_args(["bench", "throughput", "--input-len", "100", "1024", "--output-len", "512"])
+    assert args.benchmark == "throughput" and args.input_len == [100, 1024]
+    args = parser.parse_args(["bench", "latency", "--batch-size", "4"])
+    assert args.benchmark == "latency" and args.max_num_seqs is None and args.device == "auto"

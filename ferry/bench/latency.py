@@ -145,14 +145,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-iters", type=int, default=10)
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("latency", help=__doc__.splitlines()[0], description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(parser)
-    parser.set_defaults(func=main_from_args)
-    return parser
-
-
 def main_from_args(args: argparse.Namespace) -> int:
     if args.num_iters < 1:
         raise ValueError(f"--num-iters must be >= 1, got {args.num_iters}")

@@ -211,14 +211,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="requests run before the measured ones (8 output tokens each)")
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("throughput", help=__doc__.splitlines()[0], description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(parser)
-    parser.set_defaults(func=main_from_args)
-    return parser
-
-
 def main_from_args(args: argparse.Namespace) -> int:
     results = run(args)
     print(report(results))
