@@ -96,3 +96,42 @@ def test_a_bad_prompt_in_a_batch_leaves_the_engine_serving(llm):
     out = llm.generate("fine", SamplingParams(max_tokens=3, temperature=0, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(llm):
+    checked = 0
+    for prompt in PROMPTS:
+        base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+        c = base[0].outputs[0]
+        text_before = llm.tokenizer.decode(c.token_ids[:-1])
+        stop = c.text[-3:]
+        if len(c.text) <= len(text_before) or stop in text_before or "\ufffd" in stop:
+            continue  # the last token must add text that appears nowhere before
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop])
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert out.text == c.text[: c.text.find(stop)]
+        checked += 1
+    assert checked > 0
+
+
+def test_a_stop_token_leaves_its_text_out(llm):
+    base = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    tokens = base[0].outputs[0].token_ids
+    stop_id = tokens[5]
+    first = tokens.index(stop_id)
+    for include in (False, True):
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop_id],
+                                include_stop_str_in_output=include)
+        c = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+        assert c.token_ids == tokens[: first + 1] and c.stop_reason == stop_id
+        assert c.text == llm.tokenizer.decode(tokens[: first + 1 if include else first])
+
+
+def test_child_ids_of_n_cannot_collide():
+    from fake_model import fake_engine
+
+    engine = fake_engine()
+    engine.add_request("x", {"prompt_token_ids": [1, 2]}, SamplingParams(n=2, max_tokens=3))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("0_x", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=3))

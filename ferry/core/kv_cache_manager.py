@@ -74,12 +74,15 @@ class KVCacheManager:
             blocks.append(block)
         hit = PrefixHit(blocks, len(blocks) * self.block_size)
         if hit.num_tokens == request.num_tokens:
-            hit = self._recompute_last_token(hit)
-        else:
-            hit = self._match_partial_block(request, hit)
-        cache.queries += request.num_tokens
-        cache.hits += hit.num_tokens
-        return hit
+            return self._recompute_last_token(hit)
+        return self._match_partial_block(request, hit)
+
+    def record_prefix_query(self, request: Request, hit: PrefixHit) -> None:
+        """Count an admitted request's prompt in the prefix cache's hit rate (once per request, not
+        once per step it waited at the head of the queue)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.queries += request.num_tokens
+            self.prefix_cache.hits += hit.num_tokens
 
     def _match_partial_block(self, request: Request, hit: PrefixHit) -> PrefixHit:
         """Extend a hit by the longest partial block a finished request left behind (to be copied)."""

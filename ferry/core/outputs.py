@@ -29,6 +29,7 @@ class ScheduledRequest:
     sampling_params: SamplingParams | None = None
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None  # tokens generated before a preemption
+    eos_token_ids: tuple[int, ...] = ()  # banned, with stop_token_ids, until min_tokens are out
     # Rows of this chunk whose next-token logprobs the client asked for (prompt logprobs).
     prompt_logprobs: bool = False
 

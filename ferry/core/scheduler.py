@@ -154,6 +154,7 @@ class Scheduler:
             request.num_computed_tokens = hit.num_tokens
             if request.num_preemptions == 0:
                 request.num_cached_tokens = hit.num_tokens
+                self.kv_cache.record_prefix_query(request, hit)
             if hit.copy_last_from is not None:
                 copy_blocks.append((hit.copy_last_from, new_blocks[0]))
             self.running.append(request)
@@ -181,6 +182,7 @@ class Scheduler:
             item.sampling_params = request.sampling_params
             item.prompt_token_ids = request.prompt_token_ids
             item.output_token_ids = list(request.output_token_ids)
+            item.eos_token_ids = request.eos_token_ids
         # Counted as computed now: the runner computes them before the next schedule() can look.
         request.num_computed_tokens = end
         return item

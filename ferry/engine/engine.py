@@ -116,8 +116,9 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {model.max_model_len}: "
                 "it leaves no room for a single output token"
             )
-        if self.output_processor.has_request(request_id):
-            raise ValueError(f"request id {request_id!r} is already in use")
+        taken = self.output_processor.ids_in_use(request_id, params.n)
+        if taken:
+            raise ValueError(f"request id {request_id!r} is already in use (as {', '.join(sorted(taken))})")
 
     def abort_request(self, request_id: str) -> None:
         child_ids = self.output_processor.abort_request(request_id)

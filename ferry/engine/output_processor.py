@@ -121,6 +121,11 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
+    def ids_in_use(self, request_id: str, n: int) -> list[str]:
+        """Of the ids a request and its n sequences would take, those already taken."""
+        ids = {request_id, *(child_request_id(request_id, i, n) for i in range(n))}
+        return [i for i in ids if i in self._requests or i in self._children]
+
     @property
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
@@ -160,9 +165,12 @@ class OutputProcessor:
         """Append new tokens and their text; True when a stop string ended the completion."""
         params = completion.params
         old_len = len(completion.text)
-        for token_id in update.new_token_ids:
+        # A stop token (EOS or one of stop_token_ids) ends the text before itself, as in vLLM.
+        stop_token = update.finish_reason is FinishReason.STOP and not isinstance(update.stop_reason, str)
+        text_tokens = len(update.new_token_ids) - (stop_token and not params.include_stop_str_in_output)
+        for i, token_id in enumerate(update.new_token_ids):
             completion.token_ids.append(token_id)
-            if completion.detokenizer is not None:
+            if completion.detokenizer is not None and i < text_tokens:
                 completion.text += completion.detokenizer.push(token_id)
         if update.logprobs is not None and params.logprobs is not None:
             self._add_logprobs(completion, update.logprobs)
@@ -170,8 +178,11 @@ class OutputProcessor:
         completion.stop_reason = update.stop_reason
         if update.finish_reason is not None and completion.detokenizer is not None:
             completion.text += completion.detokenizer.finish()  # an incomplete last character
-        if update.finish_reason is None and params.stop and len(completion.text) > old_len:
-            return self._check_stop_strings(completion, old_len)
+        # The token that reaches max_tokens can still complete a stop string, which then wins.
+        may_stop = update.finish_reason in (None, FinishReason.LENGTH)
+        if may_stop and params.stop and len(completion.text) > old_len:
+            # Only a sequence the scheduler still runs needs finishing there.
+            return self._check_stop_strings(completion, old_len) and update.finish_reason is None
         return False
 
     @staticmethod

@@ -32,6 +32,7 @@ class _RequestState:
     output_token_ids: list[int]
     block_ids: list[int]
     generator: torch.Generator | None
+    eos_token_ids: tuple[int, ...]
 
 
 @dataclass
@@ -65,7 +66,6 @@ class ModelRunner:
         self.backend = backend
         self.sampler = sampler
         self.decode_graphs = decode_graphs
-        self.eos_token_ids = config.model.eos_token_ids
         self._states: dict[str, _RequestState] = {}
 
     @property
@@ -99,7 +99,7 @@ class ModelRunner:
             if item.new:
                 self._states[item.request_id] = _RequestState(
                     item.sampling_params, item.prompt_token_ids, list(item.output_token_ids),
-                    list(item.new_block_ids), self._generator(item.sampling_params),
+                    list(item.new_block_ids), self._generator(item.sampling_params), item.eos_token_ids,
                 )
             elif item.new_block_ids:
                 self._states[item.request_id].block_ids.extend(item.new_block_ids)
@@ -212,7 +212,7 @@ class ModelRunner:
             state.generator.manual_seed((params.seed * 0x9E3779B97F4A7C15 + num_output) & (2**63 - 1))
         suppress: tuple[int, ...] = ()
         if num_output < params.min_tokens:
-            suppress = (*self.eos_token_ids, *params.stop_token_ids)
+            suppress = (*state.eos_token_ids, *params.stop_token_ids)
         return SamplingRow(params, state.prompt_token_ids, state.output_token_ids, state.generator, suppress)
 
     def _prompt_logprobs(self, item: ScheduledRequest, logits: torch.Tensor) -> tuple[int, list[Logprobs]]:
