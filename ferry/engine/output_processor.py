@@ -162,27 +162,34 @@ class OutputProcessor:
         return outputs, stopped
 
     def _add_tokens(self, completion: _Completion, update: RequestUpdate) -> bool:
-        """Append new tokens and their text; True when a stop string ended the completion."""
+        """Append new tokens and their text; True when a stop string ended a running completion."""
         params = completion.params
         old_len = len(completion.text)
-        # A stop token (EOS or one of stop_token_ids) ends the text before itself, as in vLLM.
-        stop_token = update.finish_reason is FinishReason.STOP and not isinstance(update.stop_reason, str)
-        text_tokens = len(update.new_token_ids) - (stop_token and not params.include_stop_str_in_output)
-        for i, token_id in enumerate(update.new_token_ids):
-            completion.token_ids.append(token_id)
-            if completion.detokenizer is not None and i < text_tokens:
-                completion.text += completion.detokenizer.push(token_id)
+        reason = update.finish_reason
+        token_ids = update.new_token_ids
+        completion.token_ids += token_ids
+        detokenizer = completion.detokenizer
+        if detokenizer is not None:
+            # A stop token (EOS or one of stop_token_ids) ends the text before itself, as in vLLM.
+            if reason is FinishReason.STOP and not isinstance(update.stop_reason, str):
+                if not params.include_stop_str_in_output:
+                    token_ids = token_ids[:-1]
+            for token_id in token_ids:
+                completion.text += detokenizer.push(token_id)
+            if reason is not None:
+                completion.text += detokenizer.finish()  # an incomplete last character
         if update.logprobs is not None and params.logprobs is not None:
             self._add_logprobs(completion, update.logprobs)
-        completion.finish_reason = update.finish_reason
+        completion.finish_reason = reason
         completion.stop_reason = update.stop_reason
-        if update.finish_reason is not None and completion.detokenizer is not None:
-            completion.text += completion.detokenizer.finish()  # an incomplete last character
-        # The token that reaches max_tokens can still complete a stop string, which then wins.
-        may_stop = update.finish_reason in (None, FinishReason.LENGTH)
-        if may_stop and params.stop and len(completion.text) > old_len:
-            # Only a sequence the scheduler still runs needs finishing there.
-            return self._check_stop_strings(completion, old_len) and update.finish_reason is None
+        if not params.stop or len(completion.text) == old_len:
+            return False
+        if reason is None:
+            return self._check_stop_strings(completion, old_len)
+        if reason is FinishReason.LENGTH:
+            # The token that reached max_tokens completed a stop string: the stop string wins. The
+            # scheduler has already finished this sequence, so there is nothing to tell it.
+            self._check_stop_strings(completion, old_len)
         return False
 
     @staticmethod
@@ -236,19 +243,12 @@ class OutputProcessor:
         kind = state.params.output_kind
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        if kind is RequestOutputKind.DELTA:
-            completions = [self._delta(c) for c in state.completions]
-        else:
-            completions = [self._cumulative(c) for c in state.completions]
+        make = self._delta if kind is RequestOutputKind.DELTA else self._cumulative
+        # Positional arguments: this runs for every request in every step.
         return RequestOutput(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            prompt_logprobs=state.prompt_logprobs,
-            num_cached_tokens=state.num_cached_tokens,
-            metrics=self._metrics(state) if finished else {},
+            state.request_id, state.prompt, state.prompt_token_ids, [make(c) for c in state.completions],
+            finished, state.prompt_logprobs, state.num_cached_tokens,
+            self._metrics(state) if finished else {},
         )
 
     @staticmethod
@@ -261,14 +261,14 @@ class OutputProcessor:
 
     @staticmethod
     def _delta(c: _Completion) -> CompletionOutput:
-        text = c.visible_text()
-        out = CompletionOutput(
-            c.index, text[c.sent_chars:], c.token_ids[c.sent_tokens:], c.cumulative_logprob,
-            c.logprobs[c.sent_tokens:] if c.logprobs is not None else None,
-            str(c.finish_reason) if c.finish_reason else None, c.stop_reason,
-        )
+        text = c.visible_text() if c.params.stop else c.text
+        sent_chars, sent_tokens = c.sent_chars, c.sent_tokens
         c.sent_chars, c.sent_tokens = len(text), len(c.token_ids)
-        return out
+        return CompletionOutput(
+            c.index, text[sent_chars:], c.token_ids[sent_tokens:], c.cumulative_logprob,
+            c.logprobs[sent_tokens:] if c.logprobs is not None else None,
+            c.finish_reason.value if c.finish_reason is not None else None, c.stop_reason,
+        )
 
     @staticmethod
     def _metrics(state: _RequestState) -> dict[str, float]:
