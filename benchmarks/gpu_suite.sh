@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU benchmark suite behind docs/benchmarks.md: kernel checks, throughput, latency, prefill and
-# the multi-turn prefix-caching run. Logs go to OUTDIR; name steps to run only those.
+# the multi-turn prefix-caching run. Name steps to run only those. OUTDIR ends up with three files:
+# summary.txt (each step's exit code, time and last lines), gpu.txt, and suite.tgz (every log and
+# JSON result).
 #   bash benchmarks/gpu_suite.sh OUTDIR [STEP ...]
 set -u
 out=${1:-logs}
@@ -38,3 +40,5 @@ for name in $steps; do
   echo "== $name: exit $? in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
   tail -n 25 "$out/$name.log" >> "$out/summary.txt"
 done
+(cd "$out" && tar -czf suite.tgz --remove-files -- *.log *.json 2>/dev/null)
+ls "$out"
