@@ -60,6 +60,14 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         ...
 
+    def for_decode_graph(
+        self, batch_size: int, num_kv_heads: int, max_model_len: int, device: torch.device
+    ) -> AttentionBackend | None:
+        """The backend to capture a CUDA graph of a padded decode batch of `batch_size` rows with,
+        for any context up to max_model_len; None when this backend cannot be captured (it reads
+        per-request host values at run time)."""
+        return None
+
 
 @dataclass
 class ForwardContext:

@@ -32,6 +32,12 @@ class TritonAttentionBackend(AttentionBackend):
         and cost one early return each). None: choose per step from the longest context."""
         self.decode_num_splits = decode_num_splits
 
+    def for_decode_graph(
+        self, batch_size: int, num_kv_heads: int, max_model_len: int, device: torch.device
+    ) -> TritonAttentionBackend:
+        # A graph replays launches with fixed grids: fix the split count chosen for the longest context.
+        return TritonAttentionBackend(choose_num_splits(batch_size, num_kv_heads, max_model_len, device))
+
     def forward(
         self,
         q: torch.Tensor,  # (num_tokens, num_heads, head_dim)

@@ -51,9 +51,6 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return self._blocks.get(request_id, [])
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def begin_step(self) -> None:
         self._fresh.clear()
 

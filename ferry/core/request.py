@@ -77,10 +77,6 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -86,7 +86,6 @@ class Scheduler:
         copy_blocks: list[tuple[int, int]] = []
         self.kv_cache.begin_step()
         self._preempted_ids = []
-        preemptions_before = self.num_preemptions
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -99,7 +98,7 @@ class Scheduler:
             budget -= num_new
             i += 1
         # Admitting new work right after a preemption would only thrash the pool.
-        if self.num_preemptions == preemptions_before:
+        if not self._preempted_ids:
             budget = self._admit_waiting(budget, scheduled, copy_blocks)
         return SchedulerOutput(
             scheduled=scheduled,

@@ -101,10 +101,6 @@ class AsyncEngine:
         return self._dead_reason is None
 
     @property
-    def dead_reason(self) -> str | None:
-        return self._dead_reason
-
-    @property
     def num_in_flight(self) -> int:
         """Requests sent to the engine and not finished yet."""
         return len(self._streams)

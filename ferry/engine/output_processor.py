@@ -118,9 +118,6 @@ class OutputProcessor:
             if entry is not None and entry[0].first_scheduled_time is None:
                 entry[0].first_scheduled_time = now
 
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
-
     def ids_in_use(self, request_id: str, n: int) -> list[str]:
         """Of the ids a request and its n sequences would take, those already taken."""
         ids = {request_id, *(child_request_id(request_id, i, n) for i in range(n))}

@@ -41,9 +41,7 @@ buffers, so everything but the capture itself is tested on CPU.
 
 from __future__ import annotations
 
-import itertools
 import logging
-import sys
 import time
 from collections.abc import Sequence
 
@@ -51,7 +49,7 @@ import numpy as np
 import torch
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
-from ferry.executor.model_runner import ModelInputs
+from ferry.executor.model_runner import ModelInputs, fill_block_table
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +103,7 @@ class DecodeGraphRunner:
         self.device = kv_caches[0].device
         self.max_model_len = max_model_len
         max_b, max_blocks = self.batch_sizes[-1], -(-max_model_len // self.block_size)
-        fixed = {b: fixed_split_backend(backend, b, num_kv_heads, max_model_len, self.device) for b in self.batch_sizes}
+        fixed = {b: backend.for_decode_graph(b, num_kv_heads, max_model_len, self.device) for b in self.batch_sizes}
         self.capturable = all(fixed.values())
         self.backends = {b: fixed[b] or backend for b in self.batch_sizes}
         self._host = _DecodeBuffers(max_b, max_blocks, torch.device("cpu"), pin_memory=self.device.type == "cuda")
@@ -145,9 +143,7 @@ class DecodeGraphRunner:
         seq_lens[:n], seq_lens[n:b] = pos[:n] + 1, 1
         width = int(lengths.max())
         # Row i's first lengths[i] entries, in one vectorized assignment into a view of the buffer.
-        tables[:n, :width][np.arange(width) < lengths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(block_tables), np.int32, int(lengths.sum())
-        )
+        fill_block_table(tables[:n, :width], block_tables, lengths)
         tables[n:b, 0] = 0
         bs = self.block_size
         slots[:n], slots[n:b] = tables[np.arange(n), pos[:n] // bs].astype(np.int64) * bs + pos[:n] % bs, -1
@@ -222,19 +218,3 @@ class DecodeGraphRunner:
         with torch.cuda.stream(stream):
             self._eager(inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-
-
-def fixed_split_backend(
-    backend: AttentionBackend, batch_size: int, num_kv_heads: int, max_model_len: int, device: torch.device
-) -> AttentionBackend | None:
-    """The backend a padded decode batch of batch_size rows is captured with: Triton's, its decode
-    split count fixed to the one chosen for contexts of max_model_len. None for a backend that
-    cannot be captured (the torch reference loops over per-request host values)."""
-    # A TritonAttentionBackend instance means its module is loaded; importing it here otherwise
-    # would import Triton, which a CPU-only install may lack.
-    module = sys.modules.get("ferry.attention.triton_backend")
-    if module is None or not isinstance(backend, module.TritonAttentionBackend):
-        return None
-    from ferry.attention.kernels.decode_attention import choose_num_splits
-
-    return module.TritonAttentionBackend(choose_num_splits(batch_size, num_kv_heads, max_model_len, device))

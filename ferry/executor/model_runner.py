@@ -18,7 +18,7 @@ import torch
 from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
 from ferry.config import EngineConfig
 from ferry.core.outputs import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from ferry.sample import SamplerOutput, SamplingRow
+from ferry.sample import SamplerOutput, SamplingRow, request_generator
 from ferry.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ class ModelRunner:
             kv_cache[:, dst] = kv_cache[:, src]
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
-        return None if params.seed is None else torch.Generator(device=self.device)
+        return None if params.seed is None else request_generator(params.seed, self.device)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
         num_reqs = len(scheduled)
@@ -126,7 +126,7 @@ class ModelRunner:
         req_of_token = np.repeat(np.arange(num_reqs), query_lens)  # (num_tokens,)
         positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - starts, query_lens)
 
-        block_table = self._block_table(scheduled, seq_lens)
+        block_table = self._block_table(scheduled)
         bs = self.block_size
         slot_mapping = block_table[req_of_token, positions // bs] * bs + positions % bs
 
@@ -164,7 +164,7 @@ class ModelRunner:
         graphs, a request that brings more than one token or asks for prompt logprobs, or more
         requests than the largest graph."""
         graphs = self.decode_graphs
-        if graphs is None or graphs.padded_size(len(scheduled)) is None:
+        if graphs is None:
             return None
         if not all(len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs for s in scheduled):
             return None
@@ -174,15 +174,12 @@ class ModelRunner:
             [self._states[s.request_id].block_ids for s in scheduled],
         )
 
-    def _block_table(self, scheduled: list[ScheduledRequest], seq_lens: np.ndarray) -> np.ndarray:
+    def _block_table(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
         """(num_reqs, max_blocks) block ids, rows padded with 0 (never read: past seq_len)."""
         tables = [self._states[item.request_id].block_ids for item in scheduled]
         lengths = np.fromiter(map(len, tables), np.int64, len(tables))
         table = np.zeros((len(tables), int(lengths.max())), np.int64)
-        # Row i's first lengths[i] entries, filled in one vectorized assignment.
-        table[np.arange(table.shape[1]) < lengths[:, None]] = np.fromiter(
-            itertools.chain.from_iterable(tables), np.int64, int(lengths.sum())
-        )
+        fill_block_table(table, tables, lengths)
         return table
 
     # ---- sampling ----
@@ -194,7 +191,7 @@ class ModelRunner:
         request_ids = [scheduled[i].request_id for i in inputs.sample_rows]
         for request_id, token_id in zip(request_ids, result.token_ids):
             self._states[request_id].output_token_ids.append(token_id)
-        output = ModelRunnerOutput(request_ids, result.token_ids, _logprobs_of(result, rows))
+        output = ModelRunnerOutput(request_ids, result.token_ids, _logprobs_of(result))
         for i, first, count in inputs.prompt_logprob_rows:
             output.prompt_logprobs[scheduled[i].request_id] = self._prompt_logprobs(
                 scheduled[i], logits[first:first + count]
@@ -239,16 +236,23 @@ class ModelRunner:
         return item.start_pos, result
 
 
-def _logprobs_of(result: SamplerOutput, rows: list[SamplingRow]) -> list[Logprobs | None] | None:
+def fill_block_table(table: np.ndarray, tables: list[list[int]], lengths: np.ndarray) -> None:
+    """Write row i's first lengths[i] entries from tables[i], in one vectorized assignment; the rest
+    of `table` (num_reqs, width) is left as it is."""
+    width = table.shape[1]
+    table[np.arange(width) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), table.dtype, int(lengths.sum())
+    )
+
+
+def _logprobs_of(result: SamplerOutput) -> list[Logprobs | None] | None:
+    """The sampler's logprobs per row (None for rows that did not ask), as the scheduler takes them."""
     if result.logprobs is None:
         return None
-    out: list[Logprobs | None] = []
-    for i, row in enumerate(rows):
-        if row.params.logprobs is None:
-            out.append(None)
-        else:
-            out.append(Logprobs(result.token_ids[i], result.logprobs[i], result.ranks[i], result.top_logprobs[i] or []))
-    return out
+    return [
+        None if logprob is None else Logprobs(token_id, logprob, rank, top or [])
+        for token_id, logprob, rank, top in zip(result.token_ids, result.logprobs, result.ranks, result.top_logprobs)
+    ]
 
 
 def build_model_runner(config: EngineConfig) -> ModelRunner:
