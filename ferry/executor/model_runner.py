@@ -19,6 +19,7 @@ from ferry.attention.backend import AttentionBackend, AttentionMetadata, Forward
 from ferry.config import EngineConfig
 from ferry.core.outputs import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from ferry.sample import SamplerOutput, SamplingRow, request_generator
+from ferry.sample.logprobs import score_tokens
 from ferry.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -221,19 +222,11 @@ class ModelRunner:
         count = min(len(item.token_ids), len(prompt) - 1 - item.start_pos)
         if count <= 0:
             return item.start_pos, []
-        logprobs = torch.log_softmax(logits[:count].float(), dim=-1)
-        targets = torch.tensor(prompt[item.start_pos + 1:item.start_pos + 1 + count], device=logits.device)
-        chosen = logprobs.gather(1, targets[:, None]).squeeze(1)
-        ranks = (logprobs > chosen[:, None]).sum(dim=1) + 1
-        k = state.params.prompt_logprobs or 0
-        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (logprobs[:, :0], logprobs[:, :0].long())
-        result = [
-            Logprobs(t, lp, r, list(zip(ids, vals)))
-            for t, lp, r, ids, vals in zip(
-                targets.tolist(), chosen.tolist(), ranks.tolist(), top_ids.tolist(), top_vals.tolist()
-            )
-        ]
-        return item.start_pos, result
+        targets = prompt[item.start_pos + 1:item.start_pos + 1 + count]
+        chosen, ranks, top = score_tokens(
+            logits[:count], torch.tensor(targets, device=logits.device), state.params.prompt_logprobs or 0
+        )
+        return item.start_pos, [Logprobs(*row) for row in zip(targets, chosen, ranks, top)]
 
 
 def fill_block_table(table: np.ndarray, tables: list[list[int]], lengths: np.ndarray) -> None:

@@ -34,18 +34,25 @@ def compute_logprobs(
     if not asked:
         return None
     index = torch.tensor(asked, device=raw_logits.device)
-    logprobs = torch.log_softmax(raw_logits[index], dim=-1)  # (A, vocab)
-    chosen = logprobs.gather(1, token_ids[index].unsqueeze(1))  # (A, 1)
-    ranks = (logprobs > chosen).sum(dim=-1) + 1  # (A,)
     wanted = [rows[i].params.logprobs for i in asked]
-    most = min(max(wanted), logprobs.shape[-1])
-    top_values, top_ids = logprobs.topk(most, dim=-1)  # (A, most), best first
+    chosen, ranks, top = score_tokens(raw_logits[index], token_ids[index], max(wanted))
 
     out = BatchLogprobs([None] * len(rows), [None] * len(rows), [None] * len(rows))
-    # One device-to-host copy per tensor, then plain Python.
-    chosen_host, ranks_host = chosen.squeeze(1).tolist(), ranks.tolist()
-    top_values, top_ids = top_values.tolist(), top_ids.tolist()
     for j, (i, n) in enumerate(zip(asked, wanted)):
-        out.chosen[i], out.ranks[i] = chosen_host[j], ranks_host[j]
-        out.top[i] = list(zip(top_ids[j][:n], top_values[j][:n]))
+        out.chosen[i], out.ranks[i], out.top[i] = chosen[j], ranks[j], top[j][:n]
     return out
+
+
+def score_tokens(
+    raw_logits: torch.Tensor,  # (R, vocab), as the model produced them
+    token_ids: torch.Tensor,  # (R,) int64: the token to score in each row
+    k: int,
+) -> tuple[list[float], list[int], list[list[tuple[int, float]]]]:
+    """Per row: the token's logprob, its rank (1 + the number of tokens strictly more likely), and
+    the k most likely (token, logprob), best first. One device-to-host copy per tensor."""
+    logprobs = torch.log_softmax(raw_logits.float(), dim=-1)  # (R, vocab)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # (R, 1)
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # (R,)
+    top_values, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)  # (R, k), best first
+    top = [list(zip(ids, values)) for ids, values in zip(top_ids.tolist(), top_values.tolist())]
+    return chosen.squeeze(1).tolist(), ranks.tolist(), top
