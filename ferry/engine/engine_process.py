@@ -111,7 +111,6 @@ class EngineLoop:
         self._finished_traces = finished_traces if finished_traces is not None else []
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         # Requests whose prompt logprobs have not been sent yet -> their prompt length.
-        self._prompt_logprobs_due: dict[str, int] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
@@ -152,7 +151,6 @@ class EngineLoop:
                 self._add(message)
             elif isinstance(message, AbortRequest):
                 self.engine.abort_request(message.request_id)
-                self._prompt_logprobs_due.pop(message.request_id, None)
         return bool(messages)
 
     def _add(self, message: AddRequest) -> None:
@@ -163,21 +161,10 @@ class EngineLoop:
             self.channel.send(RequestFailed(message.request_id, str(e)))
             return
         self._prompt_tokens_total += len(message.prompt_token_ids)
-        if message.params.prompt_logprobs is not None:
-            self._prompt_logprobs_due[message.request_id] = len(message.prompt_token_ids)
 
     def _for_wire(self, output: RequestOutput) -> RequestOutput:
-        """Count the new tokens, and keep the prompt logprobs only in the first output that has
-        them all (the engine repeats the whole list in every output)."""
+        """Count the new tokens (DELTA outputs carry only those, and the prompt logprobs once)."""
         self._generation_tokens_total += sum(len(c.token_ids) for c in output.outputs)
-        due = self._prompt_logprobs_due.get(output.request_id)
-        if output.prompt_logprobs is not None:
-            if due is not None and len(output.prompt_logprobs) >= due:
-                del self._prompt_logprobs_due[output.request_id]
-            else:
-                output.prompt_logprobs = None
-        if output.finished:
-            self._prompt_logprobs_due.pop(output.request_id, None)
         return output
 
     def _take_traces(self) -> list[RequestTrace]:

@@ -54,6 +54,7 @@ class _RequestState:
     params: SamplingParams
     completions: list[_Completion]
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False  # DELTA: handed out once, when complete
     num_cached_tokens: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # when the first of its sequences was first scheduled
@@ -244,9 +245,21 @@ class OutputProcessor:
         # Positional arguments: this runs for every request in every step.
         return RequestOutput(
             state.request_id, state.prompt, state.prompt_token_ids, [make(c) for c in state.completions],
-            finished, state.prompt_logprobs, state.num_cached_tokens,
+            finished, self._prompt_logprobs_for(state, kind), state.num_cached_tokens,
             self._metrics(state) if finished else {},
         )
+
+    @staticmethod
+    def _prompt_logprobs_for(state: _RequestState, kind: RequestOutputKind) -> list[PositionLogprobs | None] | None:
+        """All of them in every CUMULATIVE or FINAL_ONLY output; in DELTA outputs, once, as soon as
+        every prompt position has its entry (chunked prefill fills them over several steps)."""
+        logprobs = state.prompt_logprobs
+        if kind is not RequestOutputKind.DELTA or logprobs is None:
+            return logprobs
+        if state.prompt_logprobs_sent or len(logprobs) < len(state.prompt_token_ids):
+            return None
+        state.prompt_logprobs_sent = True
+        return logprobs
 
     @staticmethod
     def _cumulative(c: _Completion) -> CompletionOutput:
