@@ -1,44 +1,133 @@
 #!/usr/bin/env bash
-# The GPU benchmark suite behind docs/benchmarks.md: kernel checks, throughput, latency, prefill and
-# the multi-turn prefix-caching run. Name steps to run only those. OUTDIR ends up with three files:
-# summary.txt (each step's exit code, time and last lines), gpu.txt, and suite.tgz (every log and
-# JSON result).
+# The GPU benchmark suite behind docs/benchmarks.md: kernel checks, throughput, latency, prefill,
+# server start-up, the HTTP request-rate sweep and the multi-turn prefix-caching run, with the
+# Hugging Face baselines beside them. Name steps to run only those, in the order given.
 #   bash benchmarks/gpu_suite.sh OUTDIR [STEP ...]
+# OUTDIR ends up with three files, rewritten after every step so that a run cut short keeps what
+# it measured: summary.txt (each step's exit code, time and last lines), gpu.txt, and suite.tgz
+# (every log and JSON result). SUITE_BUDGET (seconds, default 570) caps the whole run: a step
+# gets what is left of it when that is less than its own limit, and is skipped when under 20 s.
+# HF_BASELINES names the folder of the baseline scripts (hf_static.py, hf_cb.py).
 set -u
 out=${1:-logs}
 shift || true
 steps=${*:-smoke kernel_tests graph_tests kernel_check throughput_qwen3 latency_qwen3 latency_llama8b prefill_llama8b multi_turn_qwen3}
+budget=${SUITE_BUDGET:-570}
+baselines=${HF_BASELINES:-../shared/device/baselines}
 mkdir -p "$out"
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+out=$(cd "$out" && pwd)
+logs=$(mktemp -d)
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 qwen=benchmarks/qwen3-0.6b
 llama=benchmarks/llama-3.1-8b
-step() {  # the command of one step, and its time limit in seconds
+# The request-rate sweep: the same fixed-length requests through HTTP and offline.
+sweep_prompts=512 sweep_in=512 sweep_out=256 sweep_rates=8,16,32,64,128,inf
+
+# Start `ferry serve` with the given arguments on port 8000 and print the seconds until /health
+# answers 200 (start-up: model load, KV cache, graph capture); fail after $1 seconds.
+serve_ready() {
+  local limit=$1; shift
+  local start=$(date +%s.%N)
+  python3 -m ferry serve --port 8000 --no-access-log "$@" > "$logs/serve.log" 2>&1 &
+  server=$!
+  python3 - "$start" "$limit" $server <<'PY' || return 1
+import os, sys, time, urllib.request
+start, limit, pid = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+while True:
+    try:
+        urllib.request.urlopen("http://localhost:8000/health", timeout=1)
+        break
+    except Exception:
+        pass
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("ferry serve exited")
+    if time.time() - start > limit:
+        sys.exit(f"not ready in {limit} s")
+    time.sleep(0.2)
+print(f"ferry serve ready in {time.time() - start:.1f} s")
+PY
+  echo "  (ferry serve $*)"
+}
+serve_stop() { kill -TERM $server 2>/dev/null; wait $server; }
+
+serve_startup() {  # start to ready, then one request, as a user would check it
+  serve_ready 120 --model $llama --load-format dummy --dtype bfloat16 --device cuda --max-model-len 16384 \
+    --no-enforce-eager || return 1
+  python3 -c 'import json, urllib.request as u; print(u.urlopen(u.Request("http://localhost:8000/v1/completions",
+    json.dumps({"prompt": [1, 2, 3, 4], "max_tokens": 8, "ignore_eos": True}).encode(),
+    {"Content-Type": "application/json"})).read().decode())'
+  serve_stop
+  grep -i "captured\|startup\|loaded\|kv cache" "$logs/serve.log"
+}
+
+serve_sweep() {  # offline first (the server would hold the memory), then HTTP at each rate
+  python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda --no-enforce-eager \
+    --num-prompts $sweep_prompts --input-len $sweep_in --output-len $sweep_out --json "$logs/sweep_offline.json" || return 1
+  serve_ready 90 --model $qwen --load-format dummy --dtype bfloat16 --device cuda --no-enforce-eager \
+    --max-num-seqs 256 || return 1
+  python3 -m ferry bench serve --base-url http://localhost:8000 --prompt-token-ids --ignore-eos --disable-tqdm \
+    --num-prompts $sweep_prompts --random-input-len $sweep_in --random-output-len $sweep_out --random-range-ratio 0 \
+    --num-warmups 8 --request-rate-sweep $sweep_rates --save-result "$logs/sweep_http.json"
+  local rc=$?
+  python3 -c 'import urllib.request as u; print(u.urlopen("http://localhost:8000/metrics").read().decode())' \
+    > "$logs/sweep_metrics.txt"
+  serve_stop
+  return $rc
+}
+
+step() {  # the time limit in seconds of one step, and its command
   case $1 in
     smoke) echo 60 python3 -m ferry generate "'def fibonacci(n):'" --device cuda --dtype bfloat16 --max-tokens 48 ;;
-    kernel_tests) echo 120 python3 -m pytest -q -x tests/test_triton_kernels.py ;;
-    graph_tests) echo 300 python3 -m pytest -q -rs tests/test_cuda_graph.py ;;
+    kernel_tests) echo 300 python3 -m pytest -q -x tests/test_triton_kernels.py ;;
+    graph_tests) echo 200 python3 -m pytest -q -rs tests/test_cuda_graph.py ;;
     kernel_check) echo 180 python3 -m ferry.bench.kernel_check ;;
     throughput_qwen3) echo 150 python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda \
-      --num-prompts 256 --input-len 100 1024 --output-len 512 --seed 0 --json "$out/tp_qwen3.json" ;;
+      --no-enforce-eager --num-prompts 256 --input-len 100 1024 --output-len 512 --seed 0 --json "$logs/tp_qwen3.json" ;;
+    throughput_nanovllm) echo 150 python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda \
+      --no-enforce-eager --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --seed 0 \
+      --json "$logs/tp_nanovllm.json" ;;
     latency_qwen3) echo 150 python3 -m ferry.bench.latency --config-dir $qwen --dtype bfloat16 --device cuda \
-      --input-len 512 --output-len 256 --no-enforce-eager --json "$out/lat_qwen3.json" ;;
+      --input-len 512 --output-len 256 --no-enforce-eager --json "$logs/lat_qwen3.json" ;;
     latency_llama8b) echo 240 python3 -m ferry.bench.latency --config-dir $llama --dtype bfloat16 --device cuda \
-      --input-len 512 --output-len 256 --max-model-len 16384 --no-enforce-eager --json "$out/lat_llama8b.json" ;;
-    prefill_llama8b) echo 60 python3 -m ferry.bench.latency --config-dir $llama --dtype bfloat16 --device cuda \
+      --input-len 512 --output-len 256 --max-model-len 16384 --no-enforce-eager --json "$logs/lat_llama8b.json" ;;
+    prefill_llama8b) echo 90 python3 -m ferry.bench.latency --config-dir $llama --dtype bfloat16 --device cuda \
       --input-len 8192 --output-len 1 --max-model-len 16384 --num-iters-warmup 2 --num-iters 5 \
-      --json "$out/prefill_llama8b.json" ;;
+      --json "$logs/prefill_llama8b.json" ;;
     multi_turn_qwen3) echo 120 python3 -m ferry.bench.multi_turn --model $qwen --load-format dummy \
       --dtype bfloat16 --device cuda --turns 100 --user-tokens 20 60 --output-tokens 16 ;;
+    serve_startup_llama8b) echo 150 serve_startup ;;
+    serve_sweep_qwen3) echo 300 serve_sweep ;;
+    hf_static) echo 360 python3 "$baselines/hf_static.py" ;;
+    hf_cb) echo 300 python3 "$baselines/hf_cb.py" ;;
     *) echo "unknown step $1" >&2; return 1 ;;
   esac
 }
 for name in $steps; do
   read -r limit cmd <<< "$(step "$name")" || continue
+  left=$((budget - SECONDS))
+  if [ $left -lt 20 ]; then
+    echo "== $name: skipped, $left s of the budget left" | tee -a "$out/summary.txt"
+    continue
+  fi
+  [ $left -lt "$limit" ] && limit=$left
   start=$SECONDS
-  eval timeout "$limit" "$cmd" > "$out/$name.log" 2>&1
-  echo "== $name: exit $? in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
-  tail -n 25 "$out/$name.log" >> "$out/summary.txt"
+  if declare -F "${cmd%% *}" > /dev/null; then  # a shell function: time it in a subshell
+    ( eval "$cmd" ) > "$logs/$name.log" 2>&1 &
+    pid=$!
+    ( sleep "$limit"; pkill -TERM -P $pid; kill -TERM $pid ) 2>/dev/null &
+    watchdog=$!
+    wait $pid
+    rc=$?
+    kill $watchdog 2>/dev/null
+  else
+    eval timeout "$limit" "$cmd" > "$logs/$name.log" 2>&1
+    rc=$?
+  fi
+  echo "== $name: exit $rc in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+  tail -n 25 "$logs/$name.log" >> "$out/summary.txt"
+  (cd "$logs" && tar -czf "$out/suite.tgz" -- *)
 done
-(cd "$out" && tar -czf suite.tgz --remove-files -- *.log *.json 2>/dev/null)
 ls "$out"

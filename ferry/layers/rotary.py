@@ -81,3 +81,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     sin = sin[:, None, :].to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def apply_rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+    q_norm: nn.Module | None = None, k_norm: nn.Module | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on q (num_tokens, num_heads, head_dim) and k (num_tokens, num_kv_heads, head_dim), after
+    an optional RMSNorm of each head (Qwen3's q_norm and k_norm, RMSNorm modules over head_dim).
+    On CUDA one fused kernel does all of it, in place on q and k."""
+    cos, sin = rope
+    if q.is_cuda:
+        from ferry.layers import fused
+
+        fused.rotary_qk_(q, k, cos, sin, *((q_norm.weight, k_norm.weight, q_norm.eps) if q_norm is not None else ()))
+        return q, k
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

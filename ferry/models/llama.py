@@ -18,7 +18,7 @@ from ferry.layers.activation import SiluAndMul
 from ferry.layers.attention import Attention
 from ferry.layers.linear import MergedLinear
 from ferry.layers.norm import RMSNorm
-from ferry.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from ferry.layers.rotary import RotaryEmbedding, apply_rotary_qk, rope_parameters
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # (cos, sin), each (num_tokens, head_dim)
 
@@ -43,9 +43,12 @@ class LlamaAttention(nn.Module):
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # (num_tokens, num_kv_heads, head_dim)
         return q, k, v
 
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary_qk(q, k, rope)
+
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.project_qkv(x)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        q, k = self.rotate(q, k, rope)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
@@ -72,9 +75,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps=hf["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps=hf["rms_norm_eps"])
 
-    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream is carried apart from each block's output, so that the add joins the
+        next norm: (block output, residual) in, the same out; the stream is their sum. The first
+        layer gets the embeddings as x and no residual."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -89,9 +102,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden)
         rope = self.rotary_emb(positions)
+        residual = None
         for layer in self.layers:
-            x = layer(x, rope, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, ctx)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -14,7 +14,8 @@ from torch import nn
 
 from ferry.config import ModelConfig
 from ferry.layers.norm import RMSNorm
-from ferry.models.llama import LlamaAttention, LlamaForCausalLM
+from ferry.layers.rotary import apply_rotary_qk
+from ferry.models.llama import LlamaAttention, LlamaForCausalLM, Rope
 
 
 def _qwen_sliding_window(hf_config: dict[str, Any]) -> int | None:
@@ -39,9 +40,8 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(self.head_dim, eps=config.hf_config["rms_norm_eps"])
         self.k_norm = RMSNorm(self.head_dim, eps=config.hf_config["rms_norm_eps"])
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project_qkv(x)
-        return self.q_norm(q), self.k_norm(k), v
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary_qk(q, k, rope, self.q_norm, self.k_norm)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

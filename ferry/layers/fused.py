@@ -1,0 +1,165 @@
+"""Fused Triton kernels for the small ops between the matmuls: RMSNorm (with the residual add),
+RoPE on q and k (with Qwen3's per-head q/k norm), and SiLU-and-mul.
+
+Each op, written in torch, is several elementwise kernels: RMSNorm alone is a cast, a square, a
+mean, an rsqrt, two multiplies and a cast back. At decode batch sizes those kernels move a few
+kilobytes each and cost their launch, a microsecond or two apiece even inside a CUDA graph, so a
+28-layer model spends more time on them than on its weights. One kernel per op reads its inputs
+once and writes its outputs once:
+
+    per layer, torch:   add, norm (6), qkv, q/k norm (12), rope (2 x 6), attention, o, add, norm (6), gate_up, silu, mul, down
+    per layer, fused:   add+norm,      qkv, q/k norm + rope (1),         attention, o, add+norm,      gate_up, silu*mul, down
+
+The layers call these only on CUDA tensors; elsewhere they keep their torch code, which follows
+Hugging Face's rounding exactly (tests/test_fused_ops.py holds the kernels to it, within bf16
+tolerances). Rounding here: sums and statistics in float32, results cast to the activations'
+dtype where Hugging Face casts them (the residual sum, the normalized value before the weight).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr,
+    stride_x, stride_residual, stride_out,
+    n, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """One row: with a residual, residual <- x + residual (rounded to the dtype), then
+    out <- weight * dtype(s / sqrt(mean(s^2) + eps)) for s the (new) residual, or x without one."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r_ptrs = residual_ptr + row * stride_residual + cols
+        x = (x.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(r_ptrs, x, mask=mask)
+    x32 = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n + eps)
+    normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dimension of x (rows, n). With `residual` (rows, n, contiguous rows),
+    first residual += x in place, and the norm is of that sum (vLLM's fused_add_rms_norm)."""
+    rows, n = x.shape
+    assert x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(rows,)](
+        x, residual if residual is not None else x, weight, out,
+        x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
+        n, eps,
+        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=max(1, min(16, block // 256)),
+    )
+    return out
+
+
+@triton.jit
+def _norm_rotate_head(
+    ptr, weight_ptr, cos, sin, half, eps,
+    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Normalize (optionally) and rotate the head at ptr in place; cos, sin: (BLOCK_HALF,) fp32."""
+    mask = half < HEAD_DIM // 2
+    x1 = tl.load(ptr + half, mask=mask, other=0.0)
+    x2 = tl.load(ptr + HEAD_DIM // 2 + half, mask=mask, other=0.0)
+    dtype = x1.dtype
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    if HAS_NORM:
+        inv_rms = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / HEAD_DIM + eps)
+        w1 = tl.load(weight_ptr + half, mask=mask, other=0.0).to(tl.float32)
+        w2 = tl.load(weight_ptr + HEAD_DIM // 2 + half, mask=mask, other=0.0).to(tl.float32)
+        a = ((a * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        b = ((b * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    tl.store(ptr + half, (a * cos - b * sin).to(dtype), mask=mask)
+    tl.store(ptr + HEAD_DIM // 2 + half, (b * cos + a * sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotary_qk_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
+    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_rope_tok,
+    eps,
+    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Program (token, head): heads [0, NUM_Q_HEADS) are q's, the rest k's."""
+    tok = tl.program_id(0)
+    head = tl.program_id(1)
+    half = tl.arange(0, BLOCK_HALF)
+    mask = half < HEAD_DIM // 2
+    # Both halves of a head rotate by the same angles: read the first half of the (cos, sin) rows,
+    # cast to the activations' dtype as Hugging Face casts them.
+    dtype = q_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + tok * stride_rope_tok + half, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(sin_ptr + tok * stride_rope_tok + half, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    if head < NUM_Q_HEADS:
+        _norm_rotate_head(q_ptr + tok * stride_q_tok + head * stride_q_head, q_weight_ptr, cos, sin, half, eps,
+                          HEAD_DIM, HAS_NORM, BLOCK_HALF)
+    else:
+        _norm_rotate_head(k_ptr + tok * stride_k_tok + (head - NUM_Q_HEADS) * stride_k_head, k_weight_ptr,
+                          cos, sin, half, eps, HEAD_DIM, HAS_NORM, BLOCK_HALF)
+
+
+def rotary_qk_(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim), each head contiguous; rotated in place
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim), likewise
+    cos: torch.Tensor,  # (num_tokens, head_dim) float32, both halves equal
+    sin: torch.Tensor,
+    q_weight: torch.Tensor | None = None,  # (head_dim,): RMS-normalize each q head first (Qwen3)
+    k_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> None:
+    """RoPE (rotate_half layout) on q and k in one launch, after an optional per-head RMSNorm."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if num_tokens == 0:
+        return
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride() == sin.stride() and cos.stride(-1) == 1
+    assert head_dim % 2 == 0
+    has_norm = q_weight is not None
+    _rotary_qk_kernel[(num_tokens, num_heads + num_kv_heads)](
+        q, k, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
+        eps,
+        NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=1,
+    )
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + d + cols, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    # silu rounded to the dtype first, as torch's F.silu(gate) * up rounds it.
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (act * up).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """(rows, 2d) with gate then up -> silu(gate) * up, (rows, d)."""
+    rows, two_d = x.shape
+    d = two_d // 2
+    assert x.stride(-1) == 1
+    out = torch.empty((rows, d), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(d))
+    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block,
+                                                         num_warps=4)
+    return out
