@@ -22,7 +22,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 qwen=benchmarks/qwen3-0.6b
 llama=benchmarks/llama-3.1-8b
 # The request-rate sweep: the same fixed-length requests through HTTP and offline.
-sweep_prompts=512 sweep_in=512 sweep_out=256 sweep_rates=8,16,32,64,128,inf
+sweep_prompts=512 sweep_in=512 sweep_out=256 sweep_rates=16,32,64,128,inf
 
 # Start `ferry serve` with the given arguments on port 8000 and print the seconds until /health
 # answers 200 (start-up: model load, KV cache, graph capture); fail after $1 seconds.

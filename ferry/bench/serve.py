@@ -309,7 +309,9 @@ async def _bench(
 ) -> list[dict]:
     # No limit on connections but --max-concurrency's (0: none), no timeout but --timeout's; and
     # (aiohttp's default) no proxy from the environment, which would be measured with the server.
-    connector = aiohttp.TCPConnector(limit=options.max_concurrency or 0, keepalive_timeout=60)
+    # Idle connections are dropped after 3 s, before servers drop them (uvicorn after 5 s): reusing
+    # one the server has just closed fails the request with "Server disconnected".
+    connector = aiohttp.TCPConnector(limit=options.max_concurrency or 0, keepalive_timeout=3)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
         model = await _model(session, args)
         target = Target(args.base_url, args.endpoint, model, args.api_key, args.timeout, args.ignore_eos,
