@@ -73,7 +73,7 @@ def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_table_req"])
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     scale_log2,  # softmax scale * log2(e)
@@ -131,7 +131,7 @@ def _decode_split_kernel(
     tl.store(lse_ptr + req * stride_lse_req + heads * stride_lse_head + split, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     partial_ptr, lse_ptr, seq_lens_ptr, out_ptr, num_splits,
     stride_part_req, stride_part_head, stride_part_split,

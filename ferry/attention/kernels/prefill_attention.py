@@ -76,7 +76,7 @@ def _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_reqs", "stride_table_req"])
 def _prefill_kernel(
     q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     scale_log2, num_reqs,

@@ -28,7 +28,7 @@ _PROGRAMS_PER_SM = 4
 _MAX_TOKENS_PER_PROGRAM = 16
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _store_kv_kernel(
     k_ptr, v_ptr, cache_ptr, slot_mapping_ptr, num_tokens,
     stride_k_tok, stride_v_tok,
