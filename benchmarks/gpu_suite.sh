@@ -101,6 +101,8 @@ step() {  # the time limit in seconds of one step, and its command
     serve_startup_llama8b) echo 150 serve_startup ;;
     serve_sweep_qwen3) echo 300 serve_sweep ;;
     hf_static) echo 360 python3 "$baselines/hf_static.py" ;;
+    hf_static_qwen3) echo 240 python3 "$baselines/hf_static.py" qwen ;;
+    hf_static_llama8b) echo 240 python3 "$baselines/hf_static.py" llama ;;
     hf_cb) echo 300 python3 "$baselines/hf_cb.py" ;;
     *) echo "unknown step $1" >&2; return 1 ;;
   esac

@@ -2,7 +2,12 @@
 own): the server's `AsyncEngine` starts it and talks to it over a local socket pair.
 
     reader thread:  socket ─► decode ─► inbox                (always draining the socket)
-    engine loop:    inbox ─► add / abort ─► engine.step() ─► StepOutputs ─► socket
+    engine loop:    inbox ─► add / abort ─► engine.step() ─► StepOutputs ─► outbox
+    writer thread:  outbox ─► encode ─► socket
+
+Encoding a step's outputs (hundreds of requests at large batches) takes a millisecond or more of
+Python. The writer thread does it while the loop's next step waits on the GPU (a wait that
+releases the GIL), so it costs the step nothing; one writer keeps the messages in order.
 
 The loop blocks on the inbox only while the engine has nothing to do; otherwise it takes what has
 arrived between two steps, applies it, and steps. Every step sends one `StepOutputs` with the
@@ -110,6 +115,7 @@ class EngineLoop:
         # Where the engine's tracer puts finished requests' traces; each message takes them all.
         self._finished_traces = finished_traces if finished_traces is not None else []
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
         # Requests whose prompt logprobs have not been sent yet -> their prompt length.
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -117,6 +123,16 @@ class EngineLoop:
     def run(self) -> None:
         threading.Thread(target=self._read, name="engine-channel-reader", daemon=True).start()
         self.channel.send(EngineReady(self._info()))
+        writer = threading.Thread(target=self._write, name="engine-channel-writer", daemon=True)
+        writer.start()
+        try:
+            self._loop()
+        finally:
+            # Everything queued goes out before the process reports a failure or exits.
+            self.outbox.put(None)
+            writer.join()
+
+    def _loop(self) -> None:
         while True:
             messages = self._take_messages(block=not self.engine.has_unfinished_requests())
             if any(isinstance(m, Shutdown) for m in messages):
@@ -128,7 +144,16 @@ class EngineLoop:
                 changed = True
             if changed:
                 wire_outputs = [self._for_wire(o) for o in outputs]
-                self.channel.send(StepOutputs(wire_outputs, self._stats(), self._take_traces()))
+                self.outbox.put(StepOutputs(wire_outputs, self._stats(), self._take_traces()))
+
+    def _write(self) -> None:
+        """Send the outbox's messages in order until None; a closed socket ends the loop too."""
+        while (message := self.outbox.get()) is not None:
+            try:
+                self.channel.send(message)
+            except OSError:
+                self.inbox.put(Shutdown())
+                return
 
     def _read(self) -> None:
         try:
@@ -158,7 +183,7 @@ class EngineLoop:
         try:
             self.engine.add_request(message.request_id, prompt, message.params)
         except ValueError as e:
-            self.channel.send(RequestFailed(message.request_id, str(e)))
+            self.outbox.put(RequestFailed(message.request_id, str(e)))
             return
         self._prompt_tokens_total += len(message.prompt_token_ids)
 
