@@ -1,0 +1,119 @@
+"""Where one decode step's time goes: the whole engine step, the GPU work in it, and its kernels.
+
+    python -m ferry.bench.step_profile --config-dir benchmarks/qwen3-0.6b --dtype bfloat16 \\
+        --no-enforce-eager --batch-size 256 --input-len 700
+
+`--batch-size` requests of `--input-len` random tokens are prefilled and decoded for
+`--warmup-steps` steps; then, with every request decoding:
+
+- step ms: wall time of `engine.step()`, averaged over `--steps` steps;
+- graph replay ms: the decode graph of that batch size replayed alone (with graphs), which is the
+  forward's GPU time with no host work between kernels;
+- GPU ms per step: the kernels' own time under torch.profiler, over `--profile-steps` steps; step ms
+  minus this is the time the GPU waited for the host;
+- the kernels that take the most of it, per step.
+
+`--trace PATH` also writes the profiled steps as a Chrome trace (open it in ui.perfetto.dev).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from ferry.bench.throughput import add_model_args, random_workload, resolve_model_args
+
+
+def _timed(fn, n: int, sync) -> float:
+    """Mean milliseconds of fn over n calls, after one untimed call."""
+    fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / n * 1e3
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from ferry.cli import engine_kwargs
+    from ferry.engine.engine import LLMEngine, make_engine_config
+    from ferry.sampling_params import RequestOutputKind, SamplingParams
+
+    resolve_model_args(args)
+    if args.max_num_seqs is None:
+        args.max_num_seqs = args.batch_size
+    engine = LLMEngine.from_config(make_engine_config(args.model, **engine_kwargs(args)))
+    cuda = torch.device(args.device).type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+
+    needed = args.warmup_steps + args.steps + args.profile_steps + 2
+    prompts, _ = random_workload(args.batch_size, (args.input_len,) * 2, (1, 1), engine.config.model.vocab_size, 0)
+    params = SamplingParams(temperature=0.0, max_tokens=needed, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    for _ in range(args.warmup_steps):
+        engine.step()
+    if engine.scheduler.num_waiting or any(
+        r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running
+    ):
+        raise ValueError("some prompts are still prefilling after the warm-up steps: raise --warmup-steps")
+
+    print(f"{engine.config.model.architecture} ({args.model}), {args.dtype} on {args.device}; "
+          f"{args.batch_size} requests decoding, contexts from {args.input_len + args.warmup_steps} tokens")
+    step_ms = _timed(engine.step, args.steps, sync)
+    print(f"step ms: {step_ms:.3f} (mean of {args.steps})")
+    graphs = engine.model_runner.decode_graphs
+    if graphs is not None and graphs.num_captured:
+        b = graphs.padded_size(args.batch_size)
+        replay_ms = _timed(graphs._graphs[b].replay, args.steps, sync)
+        print(f"graph replay ms (batch {b}): {replay_ms:.3f}")
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.profile_steps):
+            engine.step()
+        sync()
+    events = prof.key_averages()
+    if cuda:
+        kernels = [e for e in events if e.device_type.name == "CUDA"]
+        gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.profile_steps
+        print(f"GPU ms per step (kernel time, profiled): {gpu_ms:.3f}; the GPU waits for the host "
+              f"about {max(0.0, step_ms - gpu_ms):.3f} ms of each step")
+        print(f"\n{'kernel':<60} {'ms/step':>8} {'calls/step':>10} {'share':>6}")
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.top]:
+            ms = e.self_device_time_total / 1e3 / args.profile_steps
+            print(f"{e.key[:60]:<60} {ms:>8.3f} {e.count / args.profile_steps:>10.1f} {ms / gpu_ms:>6.1%}")
+    else:
+        print(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+        print(f"wrote {args.trace}")
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    add_model_args(parser)
+    parser.set_defaults(max_num_seqs=None)  # the batch size
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--warmup-steps", type=int, default=40, help="steps before measuring (prefill included)")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps")
+    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--top", type=int, default=15, help="kernels to list")
+    parser.add_argument("--trace", default=None, metavar="PATH", help="write a Chrome trace of the profiled steps")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ferry.bench.step_profile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(parser)
+    run(parser.parse_args(argv))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
