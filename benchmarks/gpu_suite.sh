@@ -7,7 +7,8 @@
 # it measured: summary.txt (each step's exit code, time and last lines), gpu.txt, and suite.tgz
 # (every log and JSON result). SUITE_BUDGET (seconds, default 570) caps the whole run: a step
 # gets what is left of it when that is less than its own limit, and is skipped when under 20 s.
-# HF_BASELINES names the folder of the baseline scripts (hf_static.py, hf_cb.py).
+# HF_BASELINES names the folder of the baseline scripts (hf_static.py, hf_cb.py). FERRY_ARGS is added
+# to every ferry engine command (e.g. FERRY_ARGS=--async-scheduling).
 set -u
 out=${1:-logs}
 shift || true
@@ -21,6 +22,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 qwen=benchmarks/qwen3-0.6b
 llama=benchmarks/llama-3.1-8b
+fa=${FERRY_ARGS:-}
 # The request-rate sweep: the same fixed-length requests through HTTP and offline.
 sweep_prompts=512 sweep_in=512 sweep_out=256 sweep_rates=16,32,64,128,inf
 
@@ -64,9 +66,9 @@ serve_startup() {  # start to ready, then one request, as a user would check it
 }
 
 serve_sweep() {  # offline first (the server would hold the memory), then HTTP at each rate
-  python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda --no-enforce-eager \
+  python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda --no-enforce-eager $fa \
     --num-prompts $sweep_prompts --input-len $sweep_in --output-len $sweep_out --json "$logs/sweep_offline.json" || return 1
-  serve_ready 90 --model $qwen --load-format dummy --dtype bfloat16 --device cuda --no-enforce-eager \
+  serve_ready 90 --model $qwen --load-format dummy --dtype bfloat16 --device cuda --no-enforce-eager $fa \
     --max-num-seqs 256 || return 1
   python3 -m ferry bench serve --base-url http://localhost:8000 --prompt-token-ids --ignore-eos --disable-tqdm \
     --num-prompts $sweep_prompts --random-input-len $sweep_in --random-output-len $sweep_out --random-range-ratio 0 \
@@ -85,14 +87,14 @@ step() {  # the time limit in seconds of one step, and its command
     graph_tests) echo 200 python3 -m pytest -q -rs tests/test_cuda_graph.py ;;
     kernel_check) echo 180 python3 -m ferry.bench.kernel_check ;;
     throughput_qwen3) echo 150 python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda \
-      --no-enforce-eager --num-prompts 256 --input-len 100 1024 --output-len 512 --seed 0 --json "$logs/tp_qwen3.json" ;;
+      --no-enforce-eager $fa --num-prompts 256 --input-len 100 1024 --output-len 512 --seed 0 --json "$logs/tp_qwen3.json" ;;
     throughput_nanovllm) echo 150 python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda \
-      --no-enforce-eager --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --seed 0 \
+      --no-enforce-eager $fa --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --seed 0 \
       --json "$logs/tp_nanovllm.json" ;;
     latency_qwen3) echo 150 python3 -m ferry.bench.latency --config-dir $qwen --dtype bfloat16 --device cuda \
-      --input-len 512 --output-len 256 --no-enforce-eager --json "$logs/lat_qwen3.json" ;;
+      --input-len 512 --output-len 256 --no-enforce-eager $fa --json "$logs/lat_qwen3.json" ;;
     latency_llama8b) echo 240 python3 -m ferry.bench.latency --config-dir $llama --dtype bfloat16 --device cuda \
-      --input-len 512 --output-len 256 --max-model-len 16384 --no-enforce-eager --json "$logs/lat_llama8b.json" ;;
+      --input-len 512 --output-len 256 --max-model-len 16384 --no-enforce-eager $fa --json "$logs/lat_llama8b.json" ;;
     prefill_llama8b) echo 90 python3 -m ferry.bench.latency --config-dir $llama --dtype bfloat16 --device cuda \
       --input-len 8192 --output-len 1 --max-model-len 16384 --num-iters-warmup 2 --num-iters 5 \
       --json "$logs/prefill_llama8b.json" ;;

@@ -24,6 +24,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
                         help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs")
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                        help="schedule and launch each step before waiting for the last one's tokens, so "
+                             "the host's work overlaps the device's")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -32,7 +35,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
         load_format=args.load_format, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
     )
 
 

@@ -158,6 +158,8 @@ class EngineConfig:
     enforce_eager: bool = True
     # None: the defaults above, up to max_num_seqs (which is added when it falls between two).
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    # Schedule and launch each step before waiting for the last one's tokens (engine/engine.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         sizes = self.cuda_graph_batch_sizes

@@ -54,6 +54,7 @@ def fake_engine_config(
     max_model_len: int = 256,
     eos_token_ids: tuple[int, ...] = (),
     enable_prefix_caching: bool = True,
+    async_scheduling: bool = False,
 ) -> EngineConfig:
     model = ModelConfig(
         path=None, hf_config={"vocab_size": VOCAB, "architectures": ["Fake"]}, dtype=torch.float32,
@@ -63,6 +64,7 @@ def fake_engine_config(
         model=model,
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+        async_scheduling=async_scheduling,
     )
 
 

@@ -131,7 +131,9 @@ class KVCacheManager:
 
     def _register_full_blocks(self, request: Request, blocks: list[int], num_tokens: int) -> None:
         cache = self.prefix_cache
-        num_full = num_tokens // self.block_size
+        # A token still in flight (asynchronous scheduling) has no id to hash yet: its block is
+        # registered by a later step, once the id is known.
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return
@@ -153,7 +155,7 @@ class KVCacheManager:
         self.pool.free(blocks[::-1])
 
     def _register_partial_block(self, request: Request, blocks: list[int]) -> None:
-        num_full, k = divmod(request.num_computed_tokens, self.block_size)
+        num_full, k = divmod(min(request.num_computed_tokens, request.num_tokens), self.block_size)
         if k == 0 or num_full >= len(blocks):
             return
         parent = request.block_hashes[num_full - 1] if num_full else None

@@ -4,6 +4,10 @@ There is no prefill phase and no decode phase. A request has `num_tokens` (promp
 and `num_computed_tokens` (tokens whose K/V are in the cache); each step computes some of the
 difference. A fresh prompt has a large difference (prefill, maybe in chunks), a running request a
 difference of one (decode), a preempted request is reset to zero (recompute).
+
+With asynchronous scheduling the next step is scheduled while the last one still runs, so a request
+may have a sampled token that is not known yet: `num_in_flight` counts those. The scheduler aims at
+`num_tokens + num_in_flight`, and the runner takes an unknown token's id from the device.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Request:
         "request_id", "prompt_token_ids", "sampling_params", "all_token_ids", "output_token_ids",
         "num_computed_tokens", "num_cached_tokens", "status", "finish_reason", "stop_reason",
         "max_tokens", "eos_token_ids", "arrival_time", "num_preemptions", "cache_salt", "block_hashes",
+        "num_in_flight",
     )
 
     def __init__(
@@ -53,6 +58,7 @@ class Request:
         self.all_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
+        self.num_in_flight = 0  # sampled tokens whose ids the host does not know yet
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -71,6 +77,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_known_and_in_flight(self) -> int:
+        return len(self.all_token_ids) + self.num_in_flight
 
     @property
     def num_prompt_tokens(self) -> int:

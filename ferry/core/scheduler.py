@@ -10,6 +10,12 @@ Running requests go first, in arrival order, so that admitted work finishes. Whe
 dry, the most recently admitted running request is preempted: its blocks are freed and it goes back
 to the front of the waiting queue, to be recomputed from its tokens later (recompute is cheaper and
 simpler than swapping KV to host memory for the short contexts that usually get preempted).
+
+Asynchronous scheduling (the engine's `async_scheduling`) calls schedule() for step N+1 before
+update_from_output() of step N. A request that step N samples from then has one token in flight: it
+is scheduled to decode that unknown token (`IN_FLIGHT_TOKEN`), unless the token is sure to be its
+last (max_tokens or the context length). A stop that only the token can tell (EOS, stop tokens,
+stop strings) is found one step late, and the extra step's token is dropped.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from collections import deque
 
 from ferry.config import SchedulerConfig
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.core.outputs import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
+from ferry.core.outputs import IN_FLIGHT_TOKEN, ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
 from ferry.core.request import FinishReason, Request, RequestStatus
 
 
@@ -89,7 +95,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.num_in_flight and len(request.output_token_ids) + request.num_in_flight >= request.max_tokens:
+                i += 1  # its token in flight is its last: nothing more to compute
+                continue
+            num_new = min(request.num_known_and_in_flight - request.num_computed_tokens, budget)
             new_blocks = self._allocate_or_preempt(request, num_new)
             if new_blocks is None:
                 # It gave way itself (it was the last running request), so the loop is over.
@@ -167,12 +176,16 @@ class Scheduler:
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
+        token_ids = request.all_token_ids[start:end]
+        if len(token_ids) < num_new:
+            token_ids += [IN_FLIGHT_TOKEN] * (num_new - len(token_ids))
+        sample = end == request.num_known_and_in_flight
         item = ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=token_ids,
             start_pos=start,
             new_block_ids=self.kv_cache.block_ids(request.request_id) if new else new_blocks,
-            sample=end == request.num_tokens,
+            sample=sample,
             prompt_logprobs=request.sampling_params.prompt_logprobs is not None
             and start < request.num_prompt_tokens,
         )
@@ -184,6 +197,8 @@ class Scheduler:
             item.eos_token_ids = request.eos_token_ids
         # Counted as computed now: the runner computes them before the next schedule() can look.
         request.num_computed_tokens = end
+        if sample:
+            request.num_in_flight += 1
         return item
 
     def _take_finished_ids(self) -> set[str]:
@@ -200,13 +215,16 @@ class Scheduler:
         logprobs = runner_output.logprobs
         for i, request_id in enumerate(runner_output.sampled_request_ids):
             request = self.requests.get(request_id)
-            if request is None or request.status is not RequestStatus.RUNNING:
-                continue  # aborted while its step ran
+            if request is None:
+                continue  # finished (aborted, or stopped by the step before) while its step ran
+            request.num_in_flight -= 1
+            # A request preempted while its token was in flight keeps the token: it is as good as
+            # any other, and the recompute will include it.
             token_id = runner_output.sampled_token_ids[i]
             request.append_output_token(token_id)
             reason = request.check_stop()
             if reason is not None:
-                self.running.remove(request)
+                (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
                 self._finish(request, reason)
             updates.append(RequestUpdate(
                 request_id, [token_id], reason, request.stop_reason,

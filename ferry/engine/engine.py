@@ -4,27 +4,37 @@
     step():  Scheduler.schedule ─► ModelRunner.execute ─► Scheduler.update_from_output
              ─► OutputProcessor.process (text, stop strings) ─► RequestOutputs
 
-The engine is synchronous and single-threaded; the offline `LLM` drains it in a loop and the server
-runs it in a loop of its own. Given a `RequestTracer`, it tells it what each step did to each
+The engine is single-threaded; the offline `LLM` drains it in a loop and the server runs it in a
+loop of its own. With `async_scheduling`, a step schedules and launches the next batch before it
+waits for the tokens of the one in flight, so the host's work (scheduling, input preparation,
+output processing) runs while the device computes; outputs then come one step later:
+
+    step k:   schedule + launch batch k ─► collect batch k-1 ─► update, outputs of k-1
+                       (device: batch k-1, then k)
+
+Requests with penalties need their last token on the host before they can be sampled again; while
+one runs, steps do not overlap. Given a `RequestTracer`, it tells it what each step did to each
 request (see metrics/tracing.py); without one, tracing costs nothing.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ferry.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.request import FinishReason, Request
+from ferry.core.outputs import SchedulerOutput
 from ferry.core.scheduler import Scheduler
 from ferry.engine.output_processor import OutputProcessor
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from ferry.executor.model_runner import LaunchedStep
     from ferry.metrics.tracing import RequestTracer
     from ferry.tokenizer import Tokenizer
 
@@ -49,6 +59,8 @@ class LLMEngine:
         self.eos_token_ids = config.model.eos_token_ids or (
             (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
         )
+        # Asynchronous scheduling: the launched step whose results have not been applied yet.
+        self._in_flight: _Launched | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, tracer: RequestTracer | None = None) -> LLMEngine:
@@ -129,23 +141,53 @@ class LLMEngine:
     # ---- the step ----
 
     def has_unfinished_requests(self) -> bool:
-        return self.output_processor.num_unfinished_requests > 0 or self.scheduler.has_unfinished_requests()
+        return (self.output_processor.num_unfinished_requests > 0 or self.scheduler.has_unfinished_requests()
+                or self._in_flight is not None)
 
     def step(self) -> list[RequestOutput]:
+        if not self.config.async_scheduling:
+            return self._complete(self._launch())
+        if self._in_flight is not None and not self._can_overlap():
+            done, self._in_flight = self._in_flight, None
+            return self._complete(done)
+        launched = self._launch()
+        done, self._in_flight = self._in_flight, launched
+        outputs = self._complete(done) if done is not None else []
+        if launched.scheduler_output.is_empty:  # nothing to overlap with: finish it now
+            self._in_flight = None
+            outputs += self._complete(launched)
+        return outputs
+
+    def _launch(self) -> _Launched:
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         # A request's queue time ends when it is first scheduled (new: admitted, or resumed).
         self.output_processor.mark_scheduled([s.request_id for s in scheduler_output.scheduled if s.new], start)
-        runner_output = self.model_runner.execute(scheduler_output)
-        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return _Launched(scheduler_output, self.model_runner.launch(scheduler_output), start)
+
+    def _complete(self, launched: _Launched) -> list[RequestOutput]:
+        runner_output = self.model_runner.collect(launched.step)
+        updates = self.scheduler.update_from_output(launched.scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, FinishReason.STOP)
         if self.tracer is not None:
             end = time.monotonic()
-            self.tracer.step(scheduler_output, updates, start, end)
+            self.tracer.step(launched.scheduler_output, updates, launched.start, end)
             self.tracer.finished(stopped, str(FinishReason.STOP), end)
         return outputs
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the one in flight is collected: not while a
+        running request's penalties need its tokens on the host."""
+        return not any(r.sampling_params.uses_penalties for r in self.scheduler.running)
+
+
+@dataclass
+class _Launched:
+    scheduler_output: SchedulerOutput
+    step: LaunchedStep
+    start: float  # when it was scheduled
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -169,6 +211,7 @@ def make_engine_config(
     enable_prefix_caching: bool = True,
     enforce_eager: bool = True,
     cuda_graph_batch_sizes: list[int] | tuple[int, ...] | None = None,
+    async_scheduling: bool = False,
 ) -> EngineConfig:
     """The engine's configuration from `LLM`'s keyword arguments."""
     model_config = ModelConfig.from_pretrained(model, dtype, max_model_len, load_format)
@@ -182,4 +225,5 @@ def make_engine_config(
         seed=seed,
         enforce_eager=enforce_eager,
         cuda_graph_batch_sizes=None if cuda_graph_batch_sizes is None else tuple(cuda_graph_batch_sizes),
+        async_scheduling=async_scheduling,
     )

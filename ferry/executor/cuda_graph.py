@@ -31,9 +31,10 @@ freezes every launch's grid and every tensor's address, and that shapes this fil
 
 Graphs are captured at startup, after the KV cache is allocated, largest size first, into one
 shared memory pool: a smaller graph's intermediates fit in memory the larger ones already use.
-A step does no host-device synchronization: two copies from pinned memory and one replay. The next
-step rewrites the pinned buffers only after this step's sampled tokens were read, which waited for
-the copies (a step that overlaps with the next one's preparation would need two sets).
+A step does no host-device synchronization: two copies from pinned memory and one replay. The
+pinned buffers come in two sets, used in turn: with asynchronous scheduling the next step is
+prepared while this one's copies may still wait in the device's queue, and the set it rewrites is
+the one of the step before, whose tokens have been collected (so its copies are done).
 
 Without a captured graph (on a CPU), `forward` runs the model eagerly on the same padded static
 buffers, so everything but the capture itself is tested on CPU.
@@ -106,7 +107,9 @@ class DecodeGraphRunner:
         fixed = {b: backend.for_decode_graph(b, num_kv_heads, max_model_len, self.device) for b in self.batch_sizes}
         self.capturable = all(fixed.values())
         self.backends = {b: fixed[b] or backend for b in self.batch_sizes}
-        self._host = _DecodeBuffers(max_b, max_blocks, torch.device("cpu"), pin_memory=self.device.type == "cuda")
+        pin = self.device.type == "cuda"
+        self._hosts = [_DecodeBuffers(max_b, max_blocks, torch.device("cpu"), pin_memory=pin) for _ in range(2)]
+        self._num_prepared = 0
         self._static = _DecodeBuffers(max_b, max_blocks, self.device)
         self._query_start_loc = torch.arange(max_b + 1, dtype=torch.int32, device=self.device)  # one token a row
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -135,7 +138,8 @@ class DecodeGraphRunner:
         lengths = np.fromiter(map(len, block_tables), np.int64, n)
         if b is None or lengths.max() > self.max_blocks:
             return None
-        h = self._host
+        h = self._hosts[self._num_prepared % 2]
+        self._num_prepared += 1
         ids, pos, slots = h.int64.numpy()  # views of the pinned buffers, rows (max_b,)
         seq_lens, tables = h.seq_lens.numpy(), h.block_tables.numpy()
         ids[:n], ids[n:b] = token_ids, 0

@@ -4,6 +4,12 @@ The runner owns the model, the KV cache tensors and the sampler. Per request it 
 the scheduler sends once (block table, sampling params, tokens so far); each step's `SchedulerOutput`
 carries the changes. A step in which every request decodes one token may run through the decode
 graphs (cuda_graph.py): the same forward, padded to a captured batch size.
+
+A step is launched, then collected. `launch` queues the forward and the sampling on the device and
+starts copying the sampled ids to the host; `collect` waits for that copy. In between, the host is
+free: with asynchronous scheduling the engine schedules and launches the next step there, and a
+token the host does not know yet (`IN_FLIGHT_TOKEN`) is taken from the last step's sampled ids on
+the device. A step whose outputs need the host anyway (logprobs) is complete when launched.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import torch
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
 from ferry.config import EngineConfig
-from ferry.core.outputs import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from ferry.core.outputs import IN_FLIGHT_TOKEN, Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from ferry.sample import SamplerOutput, SamplingRow, request_generator
 from ferry.sample.logprobs import score_tokens
 from ferry.sampling_params import SamplingParams
@@ -49,6 +55,16 @@ class ModelInputs:
     prompt_logprob_rows: list[tuple[int, int, int]]  # (scheduled index, first logits row, count)
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device. `ModelRunner.collect` turns it into its ModelRunnerOutput."""
+
+    request_ids: list[str]  # the requests that sample, in row order
+    token_ids: torch.Tensor | None = None  # (n,) on the host, being filled by a copy in flight
+    ready: torch.cuda.Event | None = None  # recorded after that copy; None: nothing to wait for
+    output: ModelRunnerOutput | None = None  # set when the step was completed at launch
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -68,6 +84,10 @@ class ModelRunner:
         self.sampler = sampler
         self.decode_graphs = decode_graphs
         self._states: dict[str, _RequestState] = {}
+        # The last launched step's sampled ids on the device, and each sampling request's row in
+        # them: where the next step finds the tokens the host does not know yet.
+        self._last_sampled: torch.Tensor | None = None
+        self._last_rows: dict[str, int] = {}
 
     @property
     def num_kv_blocks(self) -> int:
@@ -75,23 +95,63 @@ class ModelRunner:
 
     # ---- the step ----
 
-    @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step to its end."""
+        return self.collect(self.launch(scheduler_output))
+
+    @torch.inference_mode()
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        """Queue one step's forward and sampling on the device; no wait for the device."""
         self.update_states(scheduler_output)
         if scheduler_output.copy_blocks:
             self.copy_blocks(scheduler_output.copy_blocks)
         if scheduler_output.is_empty:
-            return ModelRunnerOutput([], [])
+            return LaunchedStep([], output=ModelRunnerOutput([], []))
         scheduled = scheduler_output.scheduled
         inputs = self.prepare_decode_graph(scheduled)
         if inputs is not None:
+            self._fill_in_flight(scheduled, inputs.input_ids)
             hidden = self.decode_graphs.forward(inputs)
         else:
             inputs = self.prepare_inputs(scheduled)
+            self._fill_in_flight(scheduled, inputs.input_ids)
             ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         return self.sample(scheduled, inputs, logits)
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step's tokens and return its output."""
+        if step.output is not None:
+            return step.output
+        if step.ready is not None:
+            step.ready.synchronize()
+        token_ids = step.token_ids.tolist()
+        for request_id, token_id in zip(step.request_ids, token_ids):
+            state = self._states.get(request_id)
+            if state is not None:  # else: finished or preempted since
+                out = state.output_token_ids
+                # The oldest unknown token is this step's (at most two are outstanding).
+                out[out.index(IN_FLIGHT_TOKEN, max(0, len(out) - 2))] = token_id
+        return ModelRunnerOutput(step.request_ids, token_ids)
+
+    def _fill_in_flight(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor) -> None:
+        """Put the tokens the host does not know yet into this step's input ids, on the device: each
+        is the last token of its request's chunk, sampled by the last launched step."""
+        dst, src, end = [], [], 0
+        for item in scheduled:
+            end += len(item.token_ids)
+            if item.token_ids[-1] == IN_FLIGHT_TOKEN:
+                dst.append(end - 1)
+                src.append(self._last_rows[item.request_id])
+        if dst:
+            input_ids[self._index(dst)] = self._last_sampled[self._index(src)]
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """An int64 index on the device, copied from pinned memory: a copy from pageable memory
+        may wait for the device, and the whole point is not to."""
+        pinned = self.device.type == "cuda"
+        return torch.tensor(values, dtype=torch.int64, pin_memory=pinned).to(self.device, non_blocking=pinned)
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
@@ -185,11 +245,31 @@ class ModelRunner:
 
     # ---- sampling ----
 
-    def sample(self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor) -> ModelRunnerOutput:
+    def sample(self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor) -> LaunchedStep:
         num_sampled = len(inputs.sample_rows)
         rows = [self._sampling_row(scheduled[i]) for i in inputs.sample_rows]
-        result: SamplerOutput = self.sampler(logits[:num_sampled], rows)
         request_ids = [scheduled[i].request_id for i in inputs.sample_rows]
+        if inputs.prompt_logprob_rows or any(row.params.logprobs is not None for row in rows):
+            return LaunchedStep(request_ids, output=self._sample_on_host(scheduled, inputs, logits, rows))
+        token_ids = self.sampler.choose(logits[:num_sampled], rows)  # (num_sampled,), on the device
+        self._remember(request_ids, token_ids)
+        for request_id in request_ids:
+            self._states[request_id].output_token_ids.append(IN_FLIGHT_TOKEN)
+        if token_ids.device.type != "cuda":
+            return LaunchedStep(request_ids, token_ids)
+        host = torch.empty(num_sampled, dtype=token_ids.dtype, pin_memory=True)
+        host.copy_(token_ids, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(request_ids, host, ready)
+
+    def _sample_on_host(
+        self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor, rows: list[SamplingRow],
+    ) -> ModelRunnerOutput:
+        """Sample and bring everything to the host now: the step's logprobs are host lists."""
+        result: SamplerOutput = self.sampler(logits[:len(rows)], rows)
+        request_ids = [scheduled[i].request_id for i in inputs.sample_rows]
+        self._remember(request_ids, torch.tensor(result.token_ids, device=self.device))
         for request_id, token_id in zip(request_ids, result.token_ids):
             self._states[request_id].output_token_ids.append(token_id)
         output = ModelRunnerOutput(request_ids, result.token_ids, _logprobs_of(result))
@@ -198,6 +278,10 @@ class ModelRunner:
                 scheduled[i], logits[first:first + count]
             )
         return output
+
+    def _remember(self, request_ids: list[str], token_ids: torch.Tensor) -> None:
+        self._last_sampled = token_ids
+        self._last_rows = {request_id: i for i, request_id in enumerate(request_ids)}
 
     def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
         state = self._states[item.request_id]

@@ -53,18 +53,20 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits: (num_rows, vocab) on the generator's device, row i belongs to rows[i]; the
         tensor is not modified."""
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(f"expected logits of shape ({len(rows)}, vocab), got {tuple(logits.shape)}")
-        _check_generators(rows)
         logits = logits.float()  # no copy when already float32
-        token_ids = self._choose(logits, rows)  # (num_rows,) int64
+        token_ids = self.choose(logits, rows)  # (num_rows,) int64
         reported = compute_logprobs(logits, token_ids, rows)
         if reported is None:
             return SamplerOutput(token_ids.tolist(), None, [None] * len(rows), None)
         return SamplerOutput(token_ids.tolist(), reported.chosen, reported.top, reported.ranks)
 
-    def _choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        """(num_rows, vocab) -> (num_rows,) int64 token ids, on the logits' device."""
+    def choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """(num_rows, vocab) -> (num_rows,) int64 token ids, left on the logits' device: the step
+        that does not need them on the host yet (asynchronous scheduling) reads them later."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"expected logits of shape ({len(rows)}, vocab), got {tuple(logits.shape)}")
+        _check_generators(rows)
+        logits = logits.float()
         if needs_adjusting(rows):
             logits = apply_suppression_(apply_penalties_(logits.clone(), rows), rows)
         sampled = [i for i, row in enumerate(rows) if not row.greedy]
