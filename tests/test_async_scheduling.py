@@ -101,6 +101,54 @@ def test_abort_with_a_token_in_flight():
     assert_all_blocks_free(engine)
 
 
+def _final(engine, prompts, params):
+    return {k: (v.outputs[0].token_ids, v.outputs[0].finish_reason) for k, v in run(engine, prompts, params).items()}
+
+
+@pytest.mark.parametrize("eos_second", [False, True], ids=["runs out", "eos"])
+def test_a_request_too_long_for_the_cache_waits_for_its_token_in_flight(eos_second):
+    """Alone and out of blocks: the token in flight is still delivered (and may be an EOS, which
+    needs no block) before the request ends with kv_cache_full."""
+    prompt = list(range(1, 16))  # 15 tokens; the cache holds 16
+    eos = (reference_tokens(prompt, 2)[1],) if eos_second else ()
+    results = {mode: _final(fake_engine(num_kv_blocks=4, block_size=4, eos_token_ids=eos, async_scheduling=mode),
+                            [prompt], SamplingParams(max_tokens=20))
+               for mode in (False, True)}
+    assert results[True] == results[False]
+    assert results[True]["0"][1] == ("stop" if eos_second else "length")
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_an_id_reused_while_its_old_token_is_in_flight(logprobs):
+    """A request aborted with a token in flight, and a new one under the same id in the next step:
+    the old token belongs to neither."""
+    results = {}
+    for mode in (False, True):
+        engine = fake_engine(async_scheduling=mode)
+        engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=10))
+        for _ in range(3):
+            engine.step()
+        engine.abort_request("a")
+        engine.add_request("a", {"prompt_token_ids": [9, 9, 9, 9]}, SamplingParams(max_tokens=5, logprobs=logprobs))
+        final = {}
+        while engine.has_unfinished_requests():
+            final.update((out.request_id, out.outputs[0].token_ids) for out in engine.step() if out.finished)
+        results[mode] = final
+    assert results[True] == results[False] == {"a": reference_tokens([9, 9, 9, 9], 5)}
+
+
+def test_a_block_filled_by_a_token_in_flight_is_cached_when_the_request_ends():
+    prompt = [1, 2, 3, 4, 5, 6]  # with 2 outputs, block 1 (tokens 4-7) is full
+    hits = {}
+    for mode in (False, True):
+        engine = fake_engine(block_size=4, async_scheduling=mode)
+        (tokens, _), = _final(engine, [prompt], SamplingParams(max_tokens=3)).values()
+        follow_up = prompt + tokens[:2] + [50]
+        engine.add_request("next", {"prompt_token_ids": follow_up}, SamplingParams(max_tokens=1))
+        hits[mode] = engine.scheduler.schedule().scheduled[0].start_pos
+    assert hits[True] == hits[False] == 8
+
+
 def test_delta_outputs_carry_every_token_once():
     engine = fake_engine(async_scheduling=True)
     prompts = random_prompts(3, 2, 6, seed=7)
@@ -189,13 +237,17 @@ def test_padded_decode_batches_take_in_flight_tokens_too(model_path, llms, name)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host-device synchronization exists on a GPU only")
-def test_launching_a_decode_step_never_waits_for_the_device(model_path):
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("name", ["greedy", "seeded", "min_tokens"])
+def test_launching_a_decode_step_never_waits_for_the_device(model_path, eager, name):
     """The point of it all: scheduling and launching step k+1 does not wait for step k."""
+    params = {"greedy": PARAMS["greedy"], "seeded": PARAMS["seeded"],
+              "min_tokens": SamplingParams(temperature=0.8, top_k=20, min_tokens=30, max_tokens=40)}[name]
     llm = LLM(model=model_path, dtype="bfloat16", device="cuda", block_size=4, num_kv_blocks=256,
-              async_scheduling=True, enforce_eager=False, cuda_graph_batch_sizes=[1, 2, 4])
+              async_scheduling=True, enforce_eager=eager, cuda_graph_batch_sizes=[1, 2, 4])
     engine, runner = llm.engine, llm.engine.model_runner
     for i, prompt in enumerate(PROMPTS[:3]):
-        engine.add_request(str(i), prompt, PARAMS["greedy"])
+        engine.add_request(str(i), prompt, params)
     for _ in range(3):  # prefill, then decodes
         engine.step()
     launch = runner.launch

@@ -147,11 +147,13 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, None)
+        if blocks and self.prefix_cache is not None:
+            # Blocks filled by a token that was in flight at their allocation are registered now.
+            self._register_full_blocks(request, blocks, request.num_computed_tokens)
+            self._register_partial_block(request, blocks)
         self._num_registered.pop(request.request_id, None)
         if not blocks:
             return
-        if self.prefix_cache is not None:
-            self._register_partial_block(request, blocks)
         self.pool.free(blocks[::-1])
 
     def _register_partial_block(self, request: Request, blocks: list[int]) -> None:

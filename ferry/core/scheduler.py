@@ -101,7 +101,9 @@ class Scheduler:
             num_new = min(request.num_known_and_in_flight - request.num_computed_tokens, budget)
             new_blocks = self._allocate_or_preempt(request, num_new)
             if new_blocks is None:
-                # It gave way itself (it was the last running request), so the loop is over.
+                # It gave way itself (it was the last running request), so the loop is over; or it
+                # waits for its token in flight, which may end it.
+                i += request.status is RequestStatus.RUNNING
                 continue
             scheduled.append(self._scheduled(request, num_new, new_blocks))
             budget -= num_new
@@ -115,6 +117,7 @@ class Scheduler:
             finished_request_ids=self._take_finished_ids(),
             copy_blocks=copy_blocks,
             preempted_request_ids=self._preempted_ids,
+            owners={item.request_id: self.requests[item.request_id] for item in scheduled},
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
@@ -126,6 +129,8 @@ class Scheduler:
                 return new_blocks
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
+                if request.num_in_flight:
+                    return None  # its token in flight may stop it; if not, the next step ends it
                 # Alone, with every block the pool has, and still too long: it can never fit.
                 self.running.pop()
                 self._finish(request, FinishReason.LENGTH)
@@ -215,8 +220,10 @@ class Scheduler:
         logprobs = runner_output.logprobs
         for i, request_id in enumerate(runner_output.sampled_request_ids):
             request = self.requests.get(request_id)
-            if request is None:
-                continue  # finished (aborted, or stopped by the step before) while its step ran
+            if request is None or request is not scheduler_output.owners.get(request_id, request):
+                # Finished (aborted, or stopped by the step before) while its step ran; perhaps
+                # even replaced by a new request under the same id.
+                continue
             request.num_in_flight -= 1
             # A request preempted while its token was in flight keeps the token: it is as good as
             # any other, and the recompute will include it.

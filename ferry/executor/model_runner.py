@@ -15,7 +15,7 @@ the device. A step whose outputs need the host anyway (logprobs) is complete whe
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -27,6 +27,7 @@ from ferry.core.outputs import IN_FLIGHT_TOKEN, Logprobs, ModelRunnerOutput, Sch
 from ferry.sample import SamplerOutput, SamplingRow, request_generator
 from ferry.sample.logprobs import score_tokens
 from ferry.sampling_params import SamplingParams
+from ferry.transfer import to_device
 
 if TYPE_CHECKING:
     from ferry.executor.cuda_graph import DecodeGraphRunner
@@ -60,6 +61,9 @@ class LaunchedStep:
     """A step queued on the device. `ModelRunner.collect` turns it into its ModelRunnerOutput."""
 
     request_ids: list[str]  # the requests that sample, in row order
+    # Their runner states: a request that finished while the step ran may have been replaced by a
+    # new one under the same id, which must not get this step's token.
+    states: list[_RequestState] = field(default_factory=list)
     token_ids: torch.Tensor | None = None  # (n,) on the host, being filled by a copy in flight
     ready: torch.cuda.Event | None = None  # recorded after that copy; None: nothing to wait for
     output: ModelRunnerOutput | None = None  # set when the step was completed at launch
@@ -127,9 +131,8 @@ class ModelRunner:
         if step.ready is not None:
             step.ready.synchronize()
         token_ids = step.token_ids.tolist()
-        for request_id, token_id in zip(step.request_ids, token_ids):
-            state = self._states.get(request_id)
-            if state is not None:  # else: finished or preempted since
+        for request_id, state, token_id in zip(step.request_ids, step.states, token_ids):
+            if self._states.get(request_id) is state:  # else: finished or preempted since
                 out = state.output_token_ids
                 # The oldest unknown token is this step's (at most two are outstanding).
                 out[out.index(IN_FLIGHT_TOKEN, max(0, len(out) - 2))] = token_id
@@ -145,13 +148,8 @@ class ModelRunner:
                 dst.append(end - 1)
                 src.append(self._last_rows[item.request_id])
         if dst:
-            input_ids[self._index(dst)] = self._last_sampled[self._index(src)]
-
-    def _index(self, values: list[int]) -> torch.Tensor:
-        """An int64 index on the device, copied from pinned memory: a copy from pageable memory
-        may wait for the device, and the whole point is not to."""
-        pinned = self.device.type == "cuda"
-        return torch.tensor(values, dtype=torch.int64, pin_memory=pinned).to(self.device, non_blocking=pinned)
+            tokens = self._last_sampled[to_device(src, torch.int64, self.device)]
+            input_ids[to_device(dst, torch.int64, self.device)] = tokens
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
@@ -166,8 +164,8 @@ class ModelRunner:
                 self._states[item.request_id].block_ids.extend(item.new_block_ids)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        src = to_device([s for s, _ in pairs], torch.int64, self.device)
+        dst = to_device([d for _, d in pairs], torch.int64, self.device)
         for kv_cache in self.kv_caches:  # (2, num_blocks, block_size, num_kv_heads, head_dim)
             kv_cache[:, dst] = kv_cache[:, src]
 
@@ -200,7 +198,7 @@ class ModelRunner:
                 prompt_logprob_rows.append((i, len(logits_indices), int(query_lens[i])))
                 logits_indices.extend(range(int(query_start_loc[i]), int(query_start_loc[i + 1])))
 
-        to = lambda a, dtype: torch.as_tensor(a, dtype=dtype).to(self.device, non_blocking=True)  # noqa: E731
+        to = lambda a, dtype: to_device(a, dtype, self.device)  # noqa: E731
         metadata = AttentionMetadata(
             slot_mapping=to(slot_mapping, torch.int64),
             query_start_loc=to(query_start_loc, torch.int32),
@@ -253,15 +251,16 @@ class ModelRunner:
             return LaunchedStep(request_ids, output=self._sample_on_host(scheduled, inputs, logits, rows))
         token_ids = self.sampler.choose(logits[:num_sampled], rows)  # (num_sampled,), on the device
         self._remember(request_ids, token_ids)
-        for request_id in request_ids:
-            self._states[request_id].output_token_ids.append(IN_FLIGHT_TOKEN)
+        states = [self._states[request_id] for request_id in request_ids]
+        for state in states:
+            state.output_token_ids.append(IN_FLIGHT_TOKEN)
         if token_ids.device.type != "cuda":
-            return LaunchedStep(request_ids, token_ids)
+            return LaunchedStep(request_ids, states, token_ids)
         host = torch.empty(num_sampled, dtype=token_ids.dtype, pin_memory=True)
         host.copy_(token_ids, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return LaunchedStep(request_ids, host, ready)
+        return LaunchedStep(request_ids, states, host, ready)
 
     def _sample_on_host(
         self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor, rows: list[SamplingRow],

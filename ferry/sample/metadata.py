@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ferry.sampling_params import SamplingParams
+from ferry.transfer import to_device
 
 # Below this temperature a row is sampled greedily: dividing by a near-zero temperature overflows
 # the logits to inf and the softmax to NaN, and the distribution is an argmax anyway (vLLM's line).
@@ -69,7 +70,7 @@ class RandomRowParams:
         top_k_rows = [i for i, k in enumerate(top_k) if k < vocab_size]
         return cls(
             temperature=_floats([p.temperature for p in params], device),
-            top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
+            top_k=to_device(top_k, torch.int64, device),
             top_p=_floats([p.top_p for p in params], device),
             min_p=_floats([p.min_p for p in params], device),
             top_k_rows=top_k_rows,
@@ -84,4 +85,4 @@ class RandomRowParams:
 
 
 def _floats(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    return to_device(values, torch.float32, device)

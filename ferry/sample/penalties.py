@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ferry.sample.metadata import SamplingRow
+from ferry.transfer import to_device
 
 
 def needs_adjusting(rows: Sequence[SamplingRow]) -> bool:
@@ -68,7 +69,7 @@ def _per_row(rows: Sequence[SamplingRow], device: torch.device) -> tuple[torch.T
         (row.params.repetition_penalty, row.params.frequency_penalty, row.params.presence_penalty)
         for row in rows
     ]
-    return torch.tensor(values, dtype=torch.float32, device=device).unbind(dim=1)
+    return to_device(values, torch.float32, device).unbind(dim=1)
 
 
 def _flatten(
@@ -81,4 +82,4 @@ def _flatten(
     # histories of a batch can hold a few hundred thousand tokens.
     flat = np.fromiter(itertools.chain.from_iterable(sequences), dtype=np.int64, count=sum(lengths))
     row_ids = torch.repeat_interleave(torch.tensor(row_of, dtype=torch.int64), torch.tensor(lengths))
-    return row_ids.to(device), torch.from_numpy(flat).to(device)
+    return to_device(row_ids, torch.int64, device), to_device(flat, torch.int64, device)

@@ -28,6 +28,7 @@ from ferry.sample.logprobs import compute_logprobs
 from ferry.sample.metadata import RandomRowParams, SamplingRow
 from ferry.sample.penalties import apply_penalties_, apply_suppression_, needs_adjusting
 from ferry.sample.truncation import truncation_threshold
+from ferry.transfer import to_device
 
 
 @dataclass
@@ -75,7 +76,7 @@ class Sampler:
         if len(sampled) == len(rows):
             return self._sample(logits, list(rows))
         token_ids = logits.argmax(dim=-1)  # right for the greedy rows; the others are replaced
-        index = torch.tensor(sampled, device=logits.device)
+        index = to_device(sampled, torch.int64, logits.device)
         token_ids[index] = self._sample(logits[index], [rows[i] for i in sampled])
         return token_ids
 
@@ -92,11 +93,12 @@ class Sampler:
         u = torch.empty((len(rows), 1), device=device)
         shared = [i for i, row in enumerate(rows) if row.generator is None]
         if shared:
-            u[shared] = torch.rand((len(shared), 1), generator=self.generator, device=device)
+            draws = torch.rand((len(shared), 1), generator=self.generator, device=device)
+            u[to_device(shared, torch.int64, device)] = draws
         own = [i for i, row in enumerate(rows) if row.generator is not None]
         if own:
             draws = [torch.rand(1, generator=rows[i].generator, device=device) for i in own]
-            u[own] = torch.stack(draws)
+            u[to_device(own, torch.int64, device)] = torch.stack(draws)
         return u
 
 

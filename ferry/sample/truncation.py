@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.sample.metadata import RandomRowParams
+from ferry.transfer import to_device
 
 # Top-p looks for the nucleus among this many most likely tokens first, and sorts the whole row
 # only when the nucleus is larger: a full sort of a 32k-token row costs tens of times more.
@@ -80,5 +81,5 @@ def _nucleus_among(
 
 def _rows(probs: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The index tensor of rows, and probs[rows] (no copy when that is every row)."""
-    index = torch.tensor(rows, dtype=torch.int64, device=probs.device)
+    index = to_device(rows, torch.int64, probs.device)
     return index, probs if len(rows) == probs.shape[0] else probs[index]
