@@ -199,6 +199,16 @@ def test_config_only_folder_runs_with_dummy_weights(tmp_path, capsys):
     assert "decode ms/token" in capsys.readouterr().out
 
 
+def test_step_overhead_and_step_profile_run(capsys):
+    from ferry.bench import step_overhead, step_profile
+
+    step_overhead.main(["--requests", "4", "--prompt-len", "8", "--steps", "3"])
+    assert "cpu total" in capsys.readouterr().out
+    step_profile.main(["--device", "cpu", "--batch-size", "2", "--input-len", "8", "--warmup-steps", "3",
+                       "--steps", "2", "--profile-steps", "1", "--top", "3"])
+    assert "step ms" in capsys.readouterr().out
+
+
 def test_subcommands_register():
     from ferry.bench.cli import add_bench_command
 

@@ -68,7 +68,7 @@ def timed_step(engine: LLMEngine) -> dict[str, float]:
     inputs = runner.prepare_inputs(scheduler_output.scheduled)
     t2 = time.perf_counter()
     logits = runner.model.compute_logits(inputs.input_ids)
-    runner_output = runner.sample(scheduler_output.scheduled, inputs, logits)
+    runner_output = runner.collect(runner.sample(scheduler_output.scheduled, inputs, logits))
     t3 = time.perf_counter()
     updates = engine.scheduler.update_from_output(scheduler_output, runner_output)
     outputs, stopped = engine.output_processor.process(updates)
@@ -80,14 +80,14 @@ def timed_step(engine: LLMEngine) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="tokenizer and config source (default: bundled model)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--block-size", type=int, default=16)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
     engine = null_engine(args.model, args.requests, args.block_size)
