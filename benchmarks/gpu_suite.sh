@@ -8,7 +8,8 @@
 # (every log and JSON result). SUITE_BUDGET (seconds, default 570) caps the whole run: a step
 # gets what is left of it when that is less than its own limit, and is skipped when under 20 s.
 # HF_BASELINES names the folder of the baseline scripts (hf_static.py, hf_cb.py). FERRY_ARGS is added
-# to every ferry engine command (e.g. FERRY_ARGS=--async-scheduling).
+# to every ferry engine command; a step named NAME+async runs NAME with --async-scheduling added, so
+# that `throughput_qwen3 throughput_qwen3+async` compares the two in one run.
 set -u
 out=${1:-logs}
 shift || true
@@ -22,7 +23,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 qwen=benchmarks/qwen3-0.6b
 llama=benchmarks/llama-3.1-8b
-fa=${FERRY_ARGS:-}
+ferry_args=${FERRY_ARGS:-}
 # The request-rate sweep: the same fixed-length requests through HTTP and offline.
 sweep_prompts=512 sweep_in=512 sweep_out=256 sweep_rates=16,32,64,128,inf
 
@@ -31,7 +32,7 @@ sweep_prompts=512 sweep_in=512 sweep_out=256 sweep_rates=16,32,64,128,inf
 serve_ready() {
   local limit=$1; shift
   local start=$(date +%s.%N)
-  python3 -m ferry serve --port 8000 --no-access-log "$@" > "$logs/serve.log" 2>&1 &
+  python3 -m ferry serve --port 8000 --no-access-log "$@" > "$logs/$name.serve.log" 2>&1 &
   server=$!
   python3 - "$start" "$limit" $server <<'PY' || return 1
 import os, sys, time, urllib.request
@@ -62,20 +63,20 @@ serve_startup() {  # start to ready, then one request, as a user would check it
     json.dumps({"prompt": [1, 2, 3, 4], "max_tokens": 8, "ignore_eos": True}).encode(),
     {"Content-Type": "application/json"})).read().decode())'
   serve_stop
-  grep -i "captured\|startup\|loaded\|kv cache" "$logs/serve.log"
+  grep -i "captured\|startup\|loaded\|kv cache" "$logs/$name.serve.log"
 }
 
 serve_sweep() {  # offline first (the server would hold the memory), then HTTP at each rate
   python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda --no-enforce-eager $fa \
-    --num-prompts $sweep_prompts --input-len $sweep_in --output-len $sweep_out --json "$logs/sweep_offline.json" || return 1
+    --num-prompts $sweep_prompts --input-len $sweep_in --output-len $sweep_out --json "$logs/$name.offline.json" || return 1
   serve_ready 90 --model $qwen --load-format dummy --dtype bfloat16 --device cuda --no-enforce-eager $fa \
     --max-num-seqs 256 || return 1
   python3 -m ferry bench serve --base-url http://localhost:8000 --prompt-token-ids --ignore-eos --disable-tqdm \
     --num-prompts $sweep_prompts --random-input-len $sweep_in --random-output-len $sweep_out --random-range-ratio 0 \
-    --num-warmups 8 --request-rate-sweep $sweep_rates --save-result "$logs/sweep_http.json"
+    --num-warmups 8 --request-rate-sweep $sweep_rates --save-result "$logs/$name.http.json"
   local rc=$?
   python3 -c 'import urllib.request as u; print(u.urlopen("http://localhost:8000/metrics").read().decode())' \
-    > "$logs/sweep_metrics.txt"
+    > "$logs/$name.metrics.txt"
   serve_stop
   return $rc
 }
@@ -87,17 +88,17 @@ step() {  # the time limit in seconds of one step, and its command
     graph_tests) echo 200 python3 -m pytest -q -rs tests/test_cuda_graph.py ;;
     kernel_check) echo 180 python3 -m ferry.bench.kernel_check ;;
     throughput_qwen3) echo 150 python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda \
-      --no-enforce-eager $fa --num-prompts 256 --input-len 100 1024 --output-len 512 --seed 0 --json "$logs/tp_qwen3.json" ;;
+      --no-enforce-eager $fa --num-prompts 256 --input-len 100 1024 --output-len 512 --seed 0 --json "$logs/$name.json" ;;
     throughput_nanovllm) echo 150 python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda \
       --no-enforce-eager $fa --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --seed 0 \
-      --json "$logs/tp_nanovllm.json" ;;
+      --json "$logs/$name.json" ;;
     latency_qwen3) echo 150 python3 -m ferry.bench.latency --config-dir $qwen --dtype bfloat16 --device cuda \
-      --input-len 512 --output-len 256 --no-enforce-eager $fa --json "$logs/lat_qwen3.json" ;;
+      --input-len 512 --output-len 256 --no-enforce-eager $fa --json "$logs/$name.json" ;;
     latency_llama8b) echo 240 python3 -m ferry.bench.latency --config-dir $llama --dtype bfloat16 --device cuda \
-      --input-len 512 --output-len 256 --max-model-len 16384 --no-enforce-eager $fa --json "$logs/lat_llama8b.json" ;;
+      --input-len 512 --output-len 256 --max-model-len 16384 --no-enforce-eager $fa --json "$logs/$name.json" ;;
     prefill_llama8b) echo 90 python3 -m ferry.bench.latency --config-dir $llama --dtype bfloat16 --device cuda \
       --input-len 8192 --output-len 1 --max-model-len 16384 --num-iters-warmup 2 --num-iters 5 \
-      --json "$logs/prefill_llama8b.json" ;;
+      --json "$logs/$name.json" ;;
     multi_turn_qwen3) echo 120 python3 -m ferry.bench.multi_turn --model $qwen --load-format dummy \
       --dtype bfloat16 --device cuda --turns 100 --user-tokens 20 60 --output-tokens 16 ;;
     serve_startup_llama8b) echo 150 serve_startup ;;
@@ -110,7 +111,9 @@ step() {  # the time limit in seconds of one step, and its command
   esac
 }
 for name in $steps; do
-  read -r limit cmd <<< "$(step "$name")" || continue
+  fa=$ferry_args
+  [ "${name%+async}" != "$name" ] && fa="$fa --async-scheduling"
+  read -r limit cmd <<< "$(step "${name%+async}")" || continue
   left=$((budget - SECONDS))
   if [ $left -lt 20 ]; then
     echo "== $name: skipped, $left s of the budget left" | tee -a "$out/summary.txt"

@@ -178,10 +178,11 @@ def test_throughput_end_to_end(tmp_path):
     assert 0 < r["kv_paging_waste"] < 1
 
 
-def test_latency_end_to_end(tmp_path):
+@pytest.mark.parametrize("scheduling", [[], ["--async-scheduling"]], ids=["sync", "async"])
+def test_latency_end_to_end(tmp_path, scheduling):
     out = tmp_path / "latency.json"
     latency.main(["--input-len", "20", "--output-len", "5", "--num-iters-warmup", "1", "--num-iters", "2",
-                  "--json", str(out), *CEILINGS])
+                  "--json", str(out), *CEILINGS, *scheduling])
     r = json.loads(out.read_text())
     assert len(r["ttft_s"]["all"]) == len(r["decode_s_per_token"]["all"]) == 2
     assert r["num_prefill_steps"] == 1

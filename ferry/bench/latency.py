@@ -30,7 +30,7 @@ class Iteration:
     ttft: float  # seconds
     decode_per_token: float | None  # seconds per step after the first token; None for one output token
     steps: list[RecordedStep]
-    num_prefill_steps: int  # steps up to and including the one that gave the last first token
+    num_prefill_steps: int  # the steps that computed the prompts
 
 
 def run_iteration(engine, prompts: list[list[int]], output_len: int, ids) -> Iteration:
@@ -45,16 +45,27 @@ def run_iteration(engine, prompts: list[list[int]], output_len: int, ids) -> Ite
             request_id = str(next(ids))
             engine.add_request(request_id, {"prompt_token_ids": prompt}, params)
             waiting.add(request_id)
-        ttft = num_prefill_steps = None
+        ttft = None
         while engine.has_unfinished_requests():
             outputs = engine.step()
             if waiting:
                 waiting.difference_update(o.request_id for o in outputs if o.outputs[0].token_ids)
                 if not waiting:
-                    ttft, num_prefill_steps = time.perf_counter() - start, len(steps)
+                    ttft = time.perf_counter() - start
         elapsed = time.perf_counter() - start
     decode = (elapsed - ttft) / (output_len - 1) if output_len > 1 else None
-    return Iteration(ttft, decode, steps, num_prefill_steps)
+    return Iteration(ttft, decode, steps, _num_prefill_steps(steps, sum(map(len, prompts))))
+
+
+def _num_prefill_steps(steps: list[RecordedStep], prompt_tokens: int) -> int:
+    """The steps that computed the prompts. (With asynchronous scheduling the first tokens reach
+    the host a step after the last prefill step, so counting the steps up to them would not do.)"""
+    computed = 0
+    for i, s in enumerate(steps):
+        computed += sum(query_len for query_len, _ in s.step)
+        if computed >= prompt_tokens:
+            return i + 1
+    return len(steps)
 
 
 def bounds(it: Iteration, output_len: int, cost: ModelCost, hw: Hardware) -> dict:
