@@ -335,12 +335,14 @@ def build_model_runner(config: EngineConfig) -> ModelRunner:
     """Load the model, size and allocate the KV cache, and pick the attention backend."""
     from ferry.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
     from ferry.attention.selector import get_attention_backend
+    from ferry.layers.linear import tune_small_batch
     from ferry.loader.loader import load_model
     from ferry.sample import Sampler
 
     device = torch.device(config.device)
     torch.manual_seed(config.seed)
     model = load_model(config.model, device)
+    tune_small_batch(model)  # before the KV cache takes the memory, and before graphs capture
     num_blocks = _num_kv_blocks(config, kv_cache_bytes_per_block(config.model, config.cache.block_size))
     kv_caches = allocate_kv_caches(config.model, num_blocks, config.cache.block_size, device)
     backend = get_attention_backend(device)

@@ -1,4 +1,7 @@
-"""Linear layers that stack several checkpoint projections into one matmul.
+"""The linear layers of the models.
+
+`Linear` is nn.Linear that may run small batches through ferry's GEMV kernel (gemv.py) where that
+measured faster than cuBLAS on this device (`tune_small_batch`, at startup on CUDA).
 
 Hugging Face checkpoints store q_proj, k_proj and v_proj (and gate_proj, up_proj) as separate
 weights, but all of them read the same input, so one matmul over their stacked rows does the same
@@ -8,11 +11,54 @@ name; the loader uses that to copy each checkpoint tensor straight into its rows
 
 from __future__ import annotations
 
+import logging
+from typing import TYPE_CHECKING
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from ferry.layers.gemv import GemvConfig
 
-class MergedLinear(nn.Linear):
+logger = logging.getLogger(__name__)
+
+
+class Linear(nn.Linear):
+    # Set by tune_small_batch: the GEMV configuration for batches of at most gemv.MAX_ROWS rows.
+    small_batch: GemvConfig | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        config = self.small_batch
+        if config is not None and x.dim() == 2 and x.shape[0] <= _gemv().MAX_ROWS:
+            return _gemv().gemv(x, self.weight, self.bias, config)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _gemv():
+    from ferry.layers import gemv  # imports Triton: only on CUDA, where a layer has a configuration
+
+    return gemv
+
+
+def tune_small_batch(model: nn.Module) -> None:
+    """Measure, once per distinct shape, whether the GEMV kernel beats cuBLAS for small batches,
+    and set each `Linear`'s `small_batch` accordingly. CUDA only; a no-op elsewhere."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    if not layers or layers[0].weight.device.type != "cuda":
+        return
+    choices: dict[tuple, GemvConfig | None] = {}
+    for layer in layers:
+        key = (*layer.weight.shape, layer.weight.dtype, layer.bias is not None)
+        if key not in choices:
+            with torch.inference_mode():
+                choices[key] = _gemv().tune(layer.weight, layer.bias)
+        layer.small_batch = choices[key]
+    for key, config in choices.items():
+        logger.info("linear %s x %s: %s", key[0], key[1], f"GEMV {config}" if config else "cuBLAS")
+
+
+class MergedLinear(Linear):
     """One nn.Linear whose output rows are the named projections' outputs, in order.
 
         weight rows:  [ q_proj (q_size) | k_proj (kv_size) | v_proj (kv_size) ]

@@ -16,7 +16,7 @@ from ferry.attention.backend import ForwardContext
 from ferry.config import ModelConfig
 from ferry.layers.activation import SiluAndMul
 from ferry.layers.attention import Attention
-from ferry.layers.linear import MergedLinear
+from ferry.layers.linear import Linear, MergedLinear
 from ferry.layers.norm import RMSNorm
 from ferry.layers.rotary import RotaryEmbedding, apply_rotary_qk, rope_parameters
 
@@ -32,7 +32,7 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
         self.qkv_proj = MergedLinear(hidden_size, sizes, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
 
     def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,7 +59,7 @@ class LlamaMLP(nn.Module):
         super().__init__()
         sizes = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = MergedLinear(hidden_size, sizes, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,38 @@
+"""Two gaps of Triton 3.6's interpreter, patched for the tests that run kernels on CPU tensors."""
+
+from __future__ import annotations
+
+
+def patch_interpreter() -> None:
+    """Two gaps of Triton 3.6's interpreter that the compiled kernels do not have.
+
+    - Loop bounds loaded from memory are 1-element arrays, which it turns into ints with int(),
+      an error from NumPy 2.4 on (triton-lang/triton#9171; the upstream fix squeezes first).
+    - It stores bfloat16 as uint16 bit patterns and multiplies those in tl.dot
+      (triton-lang/triton#11584); widening bf16 operands to fp32 first is exact.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter, "_ferry_patched", False):
+        return
+    interpreter._ferry_patched = True
+
+    patch_tensor, create_dot = interpreter._patch_lang_tensor, interpreter.InterpreterBuilder.create_dot
+
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    def widen(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)
+        return interpreter.TensorHandle(data, tl.float32)
+
+    def patched_dot(self, a, b, acc, input_precision, max_num_imprecise_acc):
+        return create_dot(self, widen(a), widen(b), acc, input_precision, max_num_imprecise_acc)
+
+    interpreter._patch_lang_tensor = patched_tensor
+    interpreter.InterpreterBuilder.create_dot = patched_dot
