@@ -152,7 +152,8 @@ class LLMEngine:
             return self._complete(done)
         launched = self._launch()
         done, self._in_flight = self._in_flight, launched
-        outputs = self._complete(done) if done is not None else []
+        # In a trace, the step in flight ends where the next one begins, so that steps never overlap.
+        outputs = self._complete(done, launched.start) if done is not None else []
         if launched.scheduler_output.is_empty:  # nothing to overlap with: finish it now
             self._in_flight = None
             outputs += self._complete(launched)
@@ -165,14 +166,14 @@ class LLMEngine:
         self.output_processor.mark_scheduled([s.request_id for s in scheduler_output.scheduled if s.new], start)
         return _Launched(scheduler_output, self.model_runner.launch(scheduler_output), start)
 
-    def _complete(self, launched: _Launched) -> list[RequestOutput]:
+    def _complete(self, launched: _Launched, trace_end: float | None = None) -> list[RequestOutput]:
         runner_output = self.model_runner.collect(launched.step)
         updates = self.scheduler.update_from_output(launched.scheduler_output, runner_output)
         outputs, stopped = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, FinishReason.STOP)
         if self.tracer is not None:
-            end = time.monotonic()
+            end = time.monotonic() if trace_end is None else trace_end
             self.tracer.step(launched.scheduler_output, updates, launched.start, end)
             self.tracer.finished(stopped, str(FinishReason.STOP), end)
         return outputs
