@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ferry.attention.kernels.launch import dot_precision
+
 logger = logging.getLogger(__name__)
 
 # Batch sizes up to this run the kernel when a layer has a configuration; larger batches reuse
@@ -55,7 +57,7 @@ def _gemv_kernel(
     m, n, k, stride_xm, stride_wn, stride_ym,
     k_tiles,  # BLOCK_K tiles per split
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -68,7 +70,7 @@ def _gemv_kernel(
                     other=0.0)
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
                     other=0.0)
-        acc += tl.dot(x, tl.trans(w))
+        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(bias_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
@@ -93,16 +95,30 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, confi
         x, weight, bias if bias is not None else weight, y,
         m, n, k, x.stride(0), weight.stride(0), n, k_tiles,
         HAS_BIAS=bias is not None, BLOCK_M=_MIN_DOT_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=split, num_warps=config.num_warps, num_stages=config.num_stages,
+        SPLIT_K=split, DOT_PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return y if split == 1 else y.sum(0).to(x.dtype)
 
 
-def tune(weight: torch.Tensor, bias: torch.Tensor | None, margin: float = 0.9) -> GemvConfig | None:
-    """The fastest candidate for this layer if it takes at most `margin` of cuBLAS's time at one
-    row and no more than cuBLAS at MAX_ROWS rows (and computes the same result); else None."""
-    best, best_time = None, None
-    times = {}
+# The weight dtypes the kernel is for: 16-bit. (A float32 model would want full-precision products,
+# and its tiles would need more shared memory than some GPUs have.)
+DTYPES = (torch.bfloat16, torch.float16)
+
+Timings = dict[tuple[int, GemvConfig | None], float]  # (rows, config or None for cuBLAS) -> seconds
+
+
+def tune(weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
+    """The configuration this layer should use for small batches, or None for cuBLAS."""
+    if weight.dtype not in DTYPES:
+        return None
+    return choose(measure(weight, bias))
+
+
+def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Timings:
+    """Seconds per call of cuBLAS and of every candidate, at 1 and MAX_ROWS rows, replayed from CUDA
+    graphs; inf for a candidate that does not run here or computes something else."""
+    times: Timings = {}
     for rows in (1, MAX_ROWS):
         x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
         expected = torch.nn.functional.linear(x, weight, bias)
@@ -111,16 +127,20 @@ def tune(weight: torch.Tensor, bias: torch.Tensor | None, margin: float = 0.9) -
             times[rows, config] = float("inf")
             try:
                 y = gemv(x, weight, bias, config)
-            except (RuntimeError, triton.CompilationError) as e:  # an optimization: never fatal
+            except Exception as e:  # e.g. Triton's OutOfResources: an optimization is never fatal
                 logger.warning("GEMV %s does not run on this device: %s", config, e)
                 continue
             if torch.allclose(y.float(), expected.float(), atol=1e-2, rtol=1e-2):
                 times[rows, config] = _graph_time(lambda: gemv(x, weight, bias, config))
-    for config in CANDIDATES:
-        if times[1, config] <= margin * times[1, None] and times[MAX_ROWS, config] <= times[MAX_ROWS, None]:
-            if best_time is None or times[1, config] < best_time:
-                best, best_time = config, times[1, config]
-    return best
+    return times
+
+
+def choose(times: Timings, margin: float = 0.9) -> GemvConfig | None:
+    """The fastest candidate at one row among those that take at most `margin` of cuBLAS's time
+    there and no more than cuBLAS at MAX_ROWS rows; None when no candidate does."""
+    fast = [c for c in CANDIDATES
+            if times[1, c] <= margin * times[1, None] and times[MAX_ROWS, c] <= times[MAX_ROWS, None]]
+    return min(fast, key=lambda c: times[1, c], default=None)
 
 
 def _graph_time(fn, calls: int = 20, replays: int = 10) -> float:

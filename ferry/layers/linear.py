@@ -30,8 +30,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         config = self.small_batch
-        if config is not None and x.dim() == 2 and x.shape[0] <= _gemv().MAX_ROWS:
-            return _gemv().gemv(x, self.weight, self.bias, config)
+        if config is not None and x.dim() == 2:
+            gemv = _gemv()
+            if x.shape[0] <= gemv.MAX_ROWS:
+                return gemv.gemv(x, self.weight, self.bias, config)
         return F.linear(x, self.weight, self.bias)
 
 

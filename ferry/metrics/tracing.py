@@ -99,7 +99,8 @@ class RequestTracer:
             self._timelines[request_id] = _Timeline(next(self._tracks), waiting_since=now)
 
     def step(self, output: SchedulerOutput, updates: list[RequestUpdate], start: float, end: float) -> None:
-        """One step: scheduled (and preemptions made) at `start`, its results applied at `end`."""
+        """One step: scheduled (and preemptions made) at `start`, over at `end`: when its results
+        were applied, or (asynchronous scheduling) when the next step was scheduled."""
         for request_id in output.preempted_request_ids:
             self._preempted(request_id, start)
         for item in output.scheduled:
