@@ -22,8 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=True,
-                        help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs "
+                             "(the default on CUDA)")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                         help="schedule and launch each step before waiting for the last one's tokens, so "
                              "the host's work overlaps the device's")

@@ -154,7 +154,7 @@ class EngineConfig:
     seed: int = 0
     # False: decode steps of up to the largest of `cuda_graph_batch_sizes` requests replay CUDA
     # graphs captured at startup (executor/cuda_graph.py); on a CPU they run the same padded batches
-    # eagerly. True (for now the default): every step runs eagerly.
+    # eagerly. True: every step runs eagerly. (make_engine_config's default: graphs on CUDA only.)
     enforce_eager: bool = True
     # None: the defaults above, up to max_num_seqs (which is added when it falls between two).
     cuda_graph_batch_sizes: tuple[int, ...] | None = None

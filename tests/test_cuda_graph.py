@@ -131,10 +131,13 @@ def test_cli_option_reaches_the_config(tiny_model):
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert engine_kwargs(parser.parse_args([]))["enforce_eager"] is True
+    assert engine_kwargs(parser.parse_args([]))["enforce_eager"] is None  # the device decides
     kwargs = engine_kwargs(parser.parse_args(["--no-enforce-eager"]))
     assert kwargs["enforce_eager"] is False
     assert make_engine_config(tiny_model, **kwargs).enforce_eager is False
+    assert make_engine_config(tiny_model, device="cpu").enforce_eager is True
+    assert make_engine_config(tiny_model, device="cuda").enforce_eager is False
+    assert make_engine_config(tiny_model, device="cuda:1", enforce_eager=True).enforce_eager is True
     assert build_model_runner(make_engine_config(tiny_model, num_kv_blocks=8)).decode_graphs is None
 
 

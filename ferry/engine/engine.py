@@ -210,11 +210,14 @@ def make_engine_config(
     seed: int = 0,
     load_format: str = "auto",
     enable_prefix_caching: bool = True,
-    enforce_eager: bool = True,
+    enforce_eager: bool | None = None,
     cuda_graph_batch_sizes: list[int] | tuple[int, ...] | None = None,
     async_scheduling: bool = False,
 ) -> EngineConfig:
-    """The engine's configuration from `LLM`'s keyword arguments."""
+    """The engine's configuration from `LLM`'s keyword arguments. enforce_eager None: decode steps
+    replay CUDA graphs on a CUDA device, and run eagerly elsewhere (padding buys nothing there)."""
+    if enforce_eager is None:
+        enforce_eager = str(device).split(":")[0] != "cuda"
     model_config = ModelConfig.from_pretrained(model, dtype, max_model_len, load_format)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(8192, min(model_config.max_model_len, 16384)) if device != "cpu" else 2048
