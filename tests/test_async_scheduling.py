@@ -10,7 +10,6 @@ import torch
 
 from fake_model import fake_engine, reference_tokens
 from ferry import LLM, SamplingParams
-from ferry.core.outputs import IN_FLIGHT_TOKEN
 from ferry.sampling_params import RequestOutputKind
 from test_scheduler import assert_all_blocks_free, random_prompts, run
 from tiny_models import randomize_weights, tiny_hf_config
@@ -24,7 +23,7 @@ def _count_in_flight(engine) -> list[int]:
 
     def recording():
         out = schedule()
-        counts.append(sum(s.token_ids.count(IN_FLIGHT_TOKEN) for s in out.scheduled))
+        counts.append(sum(s.token_ids.count(None) for s in out.scheduled))
         return out
 
     engine.scheduler.schedule = recording

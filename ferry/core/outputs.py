@@ -16,17 +16,13 @@ from ferry.core.request import FinishReason, Request
 from ferry.sampling_params import SamplingParams
 
 
-# The id of a token sampled in the step still running (asynchronous scheduling): the runner takes it
-# from that step's sampled tokens on the device.
-IN_FLIGHT_TOKEN = -1
-
-
 @dataclass(slots=True)
 class ScheduledRequest:
     request_id: str
-    # The tokens to compute this step (a prefill chunk, or one decode token); IN_FLIGHT_TOKEN for
-    # one the last step sampled and the host does not know yet.
-    token_ids: list[int]
+    # The tokens to compute this step (a prefill chunk, or one decode token). None for a token the
+    # step still running sampled (asynchronous scheduling): the runner takes its id from that
+    # step's sampled tokens on the device.
+    token_ids: list[int | None]
     start_pos: int  # position of token_ids[0]: the request's num_computed_tokens before this step
     new_block_ids: list[int]  # blocks appended to its block table since the runner last saw it
     sample: bool  # this step reaches the end of its known tokens, so a next token is sampled

@@ -13,7 +13,7 @@ simpler than swapping KV to host memory for the short contexts that usually get 
 
 Asynchronous scheduling (the engine's `async_scheduling`) calls schedule() for step N+1 before
 update_from_output() of step N. A request that step N samples from then has one token in flight: it
-is scheduled to decode that unknown token (`IN_FLIGHT_TOKEN`), unless the token is sure to be its
+is scheduled to decode that unknown token (None in its token_ids), unless the token is sure to be its
 last (max_tokens or the context length). A stop that only the token can tell (EOS, stop tokens,
 stop strings) is found one step late, and the extra step's token is dropped.
 """
@@ -24,7 +24,7 @@ from collections import deque
 
 from ferry.config import SchedulerConfig
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.core.outputs import IN_FLIGHT_TOKEN, ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
+from ferry.core.outputs import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
 from ferry.core.request import FinishReason, Request, RequestStatus
 
 
@@ -181,9 +181,9 @@ class Scheduler:
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
-        token_ids = request.all_token_ids[start:end]
+        token_ids: list[int | None] = request.all_token_ids[start:end]
         if len(token_ids) < num_new:
-            token_ids += [IN_FLIGHT_TOKEN] * (num_new - len(token_ids))
+            token_ids += [None] * (num_new - len(token_ids))  # in flight
         sample = end == request.num_known_and_in_flight
         item = ScheduledRequest(
             request_id=request.request_id,

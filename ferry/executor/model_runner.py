@@ -8,7 +8,7 @@ graphs (cuda_graph.py): the same forward, padded to a captured batch size.
 A step is launched, then collected. `launch` queues the forward and the sampling on the device and
 starts copying the sampled ids to the host; `collect` waits for that copy. In between, the host is
 free: with asynchronous scheduling the engine schedules and launches the next step there, and a
-token the host does not know yet (`IN_FLIGHT_TOKEN`) is taken from the last step's sampled ids on
+token the host does not know yet (None in the step's token ids) is taken from the last step's sampled ids on
 the device. A step whose outputs need the host anyway (logprobs) is complete when launched.
 """
 
@@ -23,7 +23,7 @@ import torch
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
 from ferry.config import EngineConfig
-from ferry.core.outputs import IN_FLIGHT_TOKEN, Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from ferry.core.outputs import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from ferry.sample import SamplerOutput, SamplingRow, request_generator
 from ferry.sample.logprobs import score_tokens
 from ferry.sampling_params import SamplingParams
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 class _RequestState:
     params: SamplingParams
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int | None]  # None: sampled by a step not collected yet
     block_ids: list[int]
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...]
@@ -135,7 +135,7 @@ class ModelRunner:
             if self._states.get(request_id) is state:  # else: finished or preempted since
                 out = state.output_token_ids
                 # The oldest unknown token is this step's (at most two are outstanding).
-                out[out.index(IN_FLIGHT_TOKEN, max(0, len(out) - 2))] = token_id
+                out[out.index(None, max(0, len(out) - 2))] = token_id
         return ModelRunnerOutput(step.request_ids, token_ids)
 
     def _fill_in_flight(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor) -> None:
@@ -144,7 +144,7 @@ class ModelRunner:
         dst, src, end = [], [], 0
         for item in scheduled:
             end += len(item.token_ids)
-            if item.token_ids[-1] == IN_FLIGHT_TOKEN:
+            if item.token_ids[-1] is None:
                 dst.append(end - 1)
                 src.append(self._last_rows[item.request_id])
         if dst:
@@ -189,7 +189,7 @@ class ModelRunner:
         bs = self.block_size
         slot_mapping = block_table[req_of_token, positions // bs] * bs + positions % bs
 
-        input_ids = [t for s in scheduled for t in s.token_ids]
+        input_ids = [t for s in scheduled for t in _known(s.token_ids)]
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
         logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
         prompt_logprob_rows = []
@@ -228,7 +228,7 @@ class ModelRunner:
         if not all(len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs for s in scheduled):
             return None
         return graphs.prepare(
-            [s.token_ids[0] for s in scheduled],
+            [_known(s.token_ids)[0] for s in scheduled],
             [s.start_pos for s in scheduled],
             [self._states[s.request_id].block_ids for s in scheduled],
         )
@@ -253,7 +253,7 @@ class ModelRunner:
         self._remember(request_ids, token_ids)
         states = [self._states[request_id] for request_id in request_ids]
         for state in states:
-            state.output_token_ids.append(IN_FLIGHT_TOKEN)
+            state.output_token_ids.append(None)  # collect() fills it in
         if token_ids.device.type != "cuda":
             return LaunchedStep(request_ids, states, token_ids)
         host = torch.empty(num_sampled, dtype=token_ids.dtype, pin_memory=True)
@@ -310,6 +310,12 @@ class ModelRunner:
             logits[:count], torch.tensor(targets, device=logits.device), state.params.prompt_logprobs or 0
         )
         return item.start_pos, [Logprobs(*row) for row in zip(targets, chosen, ranks, top)]
+
+
+def _known(token_ids: list[int | None]) -> list[int]:
+    """A chunk's token ids with 0 for a token in flight (only ever the last), whose id the runner
+    writes on the device (`_fill_in_flight`)."""
+    return token_ids if token_ids[-1] is not None else [*token_ids[:-1], 0]
 
 
 def fill_block_table(table: np.ndarray, tables: list[list[int]], lengths: np.ndarray) -> None:
