@@ -115,14 +115,21 @@ def tune(weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
     return choose(measure(weight, bias))
 
 
+# In decode a layer's weights come from memory, not from the L2 cache (50 MB on an H200): the other
+# layers' weights pass through it in between. Timing calls cycle through copies of the weight
+# that together outgrow the cache.
+_COLD_BYTES = 128 << 20
+
+
 def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Timings:
     """Seconds per call of cuBLAS and of every candidate, at 1 and MAX_ROWS rows, replayed from CUDA
     graphs; inf for a candidate that does not run here or computes something else."""
+    copies = [weight] + [weight.clone() for _ in range(min(31, _COLD_BYTES // weight.nbytes))]
     times: Timings = {}
     for rows in (1, MAX_ROWS):
         x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
         expected = torch.nn.functional.linear(x, weight, bias)
-        times[rows, None] = _graph_time(lambda: torch.nn.functional.linear(x, weight, bias))
+        times[rows, None] = _graph_time(lambda w: torch.nn.functional.linear(x, w, bias), copies)
         for config in CANDIDATES:
             times[rows, config] = float("inf")
             try:
@@ -131,7 +138,7 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Timings:
                 logger.warning("GEMV %s does not run on this device: %s", config, e)
                 continue
             if torch.allclose(y.float(), expected.float(), atol=1e-2, rtol=1e-2):
-                times[rows, config] = _graph_time(lambda: gemv(x, weight, bias, config))
+                times[rows, config] = _graph_time(lambda w: gemv(x, w, bias, config), copies)
     return times
 
 
@@ -143,15 +150,15 @@ def choose(times: Timings, margin: float = 0.9) -> GemvConfig | None:
     return min(fast, key=lambda c: times[1, c], default=None)
 
 
-def _graph_time(fn, calls: int = 20, replays: int = 10) -> float:
-    """Seconds per call of fn, replayed from a CUDA graph of `calls` calls (launch costs as decode
-    graphs see them)."""
-    for _ in range(3):
-        fn()
+def _graph_time(fn, weights: list[torch.Tensor], calls: int = 32, replays: int = 10) -> float:
+    """Seconds per call of fn(weight), replayed from a CUDA graph of `calls` calls that take the
+    weights in turn (launch costs as decode graphs see them)."""
+    for w in weights[:3]:
+        fn(w)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+        for i in range(calls):
+            fn(weights[i % len(weights)])
     graph.replay()
     torch.cuda.synchronize()
     start = time.perf_counter()
