@@ -16,7 +16,6 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from ferry.layers import fused  # noqa: E402
-from ferry.layers.activation import SiluAndMul  # noqa: E402
 from ferry.layers.norm import RMSNorm  # noqa: E402
 from ferry.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
 
@@ -122,8 +121,8 @@ def test_model_logits_on_cuda_match_cpu(arch, tmp_path):
     """A whole forward through the fused kernels (CUDA) against the torch code (CPU), float32."""
     from tiny_models import flat_batch, make_tiny_model
 
-    from ferry.attention.selector import get_attention_backend
     from ferry.attention.backend import ForwardContext
+    from ferry.attention.selector import get_attention_backend
     from ferry.config import ModelConfig
     from ferry.loader.loader import load_model
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from ferry.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.core.request import FinishReason, Request
 from ferry.core.outputs import SchedulerOutput
+from ferry.core.request import FinishReason, Request
 from ferry.core.scheduler import Scheduler
 from ferry.engine.output_processor import OutputProcessor
 from ferry.outputs import RequestOutput
