@@ -53,8 +53,12 @@ def tune_small_batch(model: nn.Module) -> None:
     for layer in layers:
         key = (*layer.weight.shape, layer.weight.dtype, layer.bias is not None)
         if key not in choices:
-            with torch.inference_mode():
-                choices[key] = _gemv().tune(layer.weight, layer.bias)
+            try:
+                with torch.inference_mode():
+                    choices[key] = _gemv().tune(layer.weight, layer.bias)
+            except Exception as e:  # an optimization: cuBLAS serves every shape anyway
+                logger.warning("small-batch GEMV tuning failed for %s, using cuBLAS: %s", key, e)
+                choices[key] = None
         layer.small_batch = choices[key]
     for key, config in choices.items():
         logger.info("linear %s x %s: %s", key[0], key[1], f"GEMV {config}" if config else "cuBLAS")
