@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from ferry.bench.roofline import Hardware, ModelCost, RecordedStep, ScheduleRecorder, percentile, step_bound
-from ferry.bench.throughput import add_model_args, random_workload, setup
+from ferry.bench.throughput import add_model_args, command_line, print_results, random_workload, setup
 
 
 @dataclass
@@ -159,18 +157,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def main_from_args(args: argparse.Namespace) -> int:
     if args.num_iters < 1:
         raise ValueError(f"--num-iters must be >= 1, got {args.num_iters}")
-    results = run(args)
-    print(report(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
-    return 0
+    return print_results(run(args), report, args.json)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ferry.bench.latency", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(parser)
-    return main_from_args(parser.parse_args(argv))
+    return command_line("latency", __doc__, add_args, main_from_args, argv)
 
 
 if __name__ == "__main__":

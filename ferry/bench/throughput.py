@@ -212,18 +212,27 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main_from_args(args: argparse.Namespace) -> int:
-    results = run(args)
+    return print_results(run(args), report, args.json)
+
+
+def print_results(results: dict, report, json_path: str | None) -> int:
+    """Print a benchmark's report, and write its results as JSON when asked."""
     print(report(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str) + "\n")
+    if json_path:
+        Path(json_path).write_text(json.dumps(results, indent=2, default=str) + "\n")
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ferry.bench.throughput", description=__doc__,
+def command_line(module: str, doc: str, add_args, main_from_args, argv: list[str] | None) -> int:
+    """`python -m ferry.bench.<module>`: parse argv with the module's options and run it."""
+    parser = argparse.ArgumentParser(prog=f"python -m ferry.bench.{module}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(parser)
     return main_from_args(parser.parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return command_line("throughput", __doc__, add_args, main_from_args, argv)
 
 
 if __name__ == "__main__":

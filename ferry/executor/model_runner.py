@@ -248,7 +248,7 @@ class ModelRunner:
         rows = [self._sampling_row(scheduled[i]) for i in inputs.sample_rows]
         request_ids = [scheduled[i].request_id for i in inputs.sample_rows]
         if inputs.prompt_logprob_rows or any(row.params.logprobs is not None for row in rows):
-            return LaunchedStep(request_ids, output=self._sample_on_host(scheduled, inputs, logits, rows))
+            return LaunchedStep(request_ids, output=self._sample_on_host(scheduled, inputs, logits, rows, request_ids))
         token_ids = self.sampler.choose(logits[:num_sampled], rows)  # (num_sampled,), on the device
         self._remember(request_ids, token_ids)
         states = [self._states[request_id] for request_id in request_ids]
@@ -264,10 +264,10 @@ class ModelRunner:
 
     def _sample_on_host(
         self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor, rows: list[SamplingRow],
+        request_ids: list[str],
     ) -> ModelRunnerOutput:
         """Sample and bring everything to the host now: the step's logprobs are host lists."""
         result: SamplerOutput = self.sampler(logits[:len(rows)], rows)
-        request_ids = [scheduled[i].request_id for i in inputs.sample_rows]
         self._remember(request_ids, torch.tensor(result.token_ids, device=self.device))
         for request_id, token_id in zip(request_ids, result.token_ids):
             self._states[request_id].output_token_ids.append(token_id)

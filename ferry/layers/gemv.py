@@ -28,12 +28,11 @@ import triton
 import triton.language as tl
 
 from ferry.attention.kernels.launch import dot_precision
+from ferry.layers.linear import SMALL_BATCH_ROWS
 
 logger = logging.getLogger(__name__)
 
-# Batch sizes up to this run the kernel when a layer has a configuration; larger batches reuse
-# the weights across rows, where cuBLAS's tensor-core kernels win.
-MAX_ROWS = 4
+MAX_ROWS = SMALL_BATCH_ROWS  # tuning times 1 and this many rows
 _MIN_DOT_ROWS = 16
 
 

@@ -24,16 +24,19 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+# Batches up to this many rows may run the GEMV; larger ones reuse the weights across rows, where
+# cuBLAS's tensor-core kernels win.
+SMALL_BATCH_ROWS = 4
+
+
 class Linear(nn.Linear):
-    # Set by tune_small_batch: the GEMV configuration for batches of at most gemv.MAX_ROWS rows.
+    # Set by tune_small_batch: the GEMV configuration for batches of at most SMALL_BATCH_ROWS rows.
     small_batch: GemvConfig | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         config = self.small_batch
-        if config is not None and x.dim() == 2:
-            gemv = _gemv()
-            if x.shape[0] <= gemv.MAX_ROWS:
-                return gemv.gemv(x, self.weight, self.bias, config)
+        if config is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
+            return _gemv().gemv(x, self.weight, self.bias, config)
         return F.linear(x, self.weight, self.bias)
 
 
