@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ferry.core.request import FinishReason, Request
+from ferry.core.request import FinishReason
 from ferry.sampling_params import SamplingParams
 
 
@@ -49,9 +49,9 @@ class SchedulerOutput:
     # Requests this step's schedule() preempted (also in finished_request_ids, for the runner); they
     # wait again, to be recomputed. Nothing in a step needs them: they are there to be observed.
     preempted_request_ids: list[str] = field(default_factory=list)
-    # The scheduler's own: the request objects scheduled, so that update_from_output can tell a
-    # request from a later one that took its id while this step ran. The runner does not read it.
-    owners: dict[str, Request] = field(default_factory=dict, repr=False)
+    # Scheduled tokens whose ids are still on the device (None in token_ids); 0 without
+    # asynchronous scheduling.
+    num_in_flight_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -41,6 +41,9 @@ class Scheduler:
         self._pending_updates: list[RequestUpdate] = []
         self.num_preemptions = 0
         self._preempted_ids: list[str] = []  # in this schedule()
+        # Tokens still in flight for requests that finished (asynchronous scheduling): their ids may
+        # be taken by new requests before those tokens arrive, and must not be credited to them.
+        self._owed: dict[str, int] = {}
 
     # ---- admission and removal ----
 
@@ -67,6 +70,8 @@ class Scheduler:
             self._finish(request, reason)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        if request.num_in_flight:
+            self._owed[request.request_id] = request.num_in_flight
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv_cache.free(request)
@@ -92,7 +97,7 @@ class Scheduler:
         copy_blocks: list[tuple[int, int]] = []
         self.kv_cache.begin_step()
         self._preempted_ids = []
-        i = 0
+        num_in_flight = i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if request.num_in_flight and len(request.output_token_ids) + request.num_in_flight >= request.max_tokens:
@@ -106,6 +111,7 @@ class Scheduler:
                 i += request.status is RequestStatus.RUNNING
                 continue
             scheduled.append(self._scheduled(request, num_new, new_blocks))
+            num_in_flight += scheduled[-1].token_ids[-1] is None  # only running requests have one
             budget -= num_new
             i += 1
         # Admitting new work right after a preemption would only thrash the pool.
@@ -117,7 +123,7 @@ class Scheduler:
             finished_request_ids=self._take_finished_ids(),
             copy_blocks=copy_blocks,
             preempted_request_ids=self._preempted_ids,
-            owners={item.request_id: self.requests[item.request_id] for item in scheduled},
+            num_in_flight_tokens=num_in_flight,
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
@@ -206,6 +212,16 @@ class Scheduler:
             request.num_in_flight += 1
         return item
 
+    def _take_owed(self, request_id: str) -> bool:
+        owed = self._owed.get(request_id)
+        if owed is None:
+            return False
+        if owed == 1:
+            del self._owed[request_id]
+        else:
+            self._owed[request_id] = owed - 1
+        return True
+
     def _take_finished_ids(self) -> set[str]:
         ids, self._finished_ids = self._finished_ids, set()
         return ids
@@ -219,10 +235,10 @@ class Scheduler:
         updates, self._pending_updates = self._pending_updates, []
         logprobs = runner_output.logprobs
         for i, request_id in enumerate(runner_output.sampled_request_ids):
+            if self._owed and self._take_owed(request_id):
+                continue  # its request finished while this step ran; a new one may have its id
             request = self.requests.get(request_id)
-            if request is None or request is not scheduler_output.owners.get(request_id, request):
-                # Finished (aborted, or stopped by the step before) while its step ran; perhaps
-                # even replaced by a new request under the same id.
+            if request is None:
                 continue
             request.num_in_flight -= 1
             # A request preempted while its token was in flight keeps the token: it is as good as

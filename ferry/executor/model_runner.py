@@ -15,7 +15,8 @@ the device. A step whose outputs need the host anyway (logprobs) is complete whe
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -61,9 +62,6 @@ class LaunchedStep:
     """A step queued on the device. `ModelRunner.collect` turns it into its ModelRunnerOutput."""
 
     request_ids: list[str]  # the requests that sample, in row order
-    # Their runner states: a request that finished while the step ran may have been replaced by a
-    # new one under the same id, which must not get this step's token.
-    states: list[_RequestState] = field(default_factory=list)
     token_ids: torch.Tensor | None = None  # (n,) on the host, being filled by a copy in flight
     ready: torch.cuda.Event | None = None  # recorded after that copy; None: nothing to wait for
     output: ModelRunnerOutput | None = None  # set when the step was completed at launch
@@ -92,6 +90,9 @@ class ModelRunner:
         # them: where the next step finds the tokens the host does not know yet.
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        # Tokens still in flight for requests whose state was dropped (finished or preempted): a new
+        # request may take the id before they arrive, and must not get them.
+        self._owed: dict[str, int] = {}
 
     @property
     def num_kv_blocks(self) -> int:
@@ -112,13 +113,14 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return LaunchedStep([], output=ModelRunnerOutput([], []))
         scheduled = scheduler_output.scheduled
-        inputs = self.prepare_decode_graph(scheduled)
+        in_flight = self._in_flight(scheduled) if scheduler_output.num_in_flight_tokens else ([], [])
+        inputs = self.prepare_decode_graph(scheduled, in_flight[0])
         if inputs is not None:
-            self._fill_in_flight(scheduled, inputs.input_ids)
+            self._fill_in_flight(*in_flight, inputs.input_ids)
             hidden = self.decode_graphs.forward(inputs)
         else:
-            inputs = self.prepare_inputs(scheduled)
-            self._fill_in_flight(scheduled, inputs.input_ids)
+            inputs = self.prepare_inputs(scheduled, in_flight[0])
+            self._fill_in_flight(*in_flight, inputs.input_ids)
             ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -131,37 +133,60 @@ class ModelRunner:
         if step.ready is not None:
             step.ready.synchronize()
         token_ids = step.token_ids.tolist()
-        for request_id, state, token_id in zip(step.request_ids, step.states, token_ids):
-            if self._states.get(request_id) is state:  # else: finished or preempted since
-                out = state.output_token_ids
-                # The oldest unknown token is this step's (at most two are outstanding).
-                out[out.index(None, max(0, len(out) - 2))] = token_id
+        for request_id, token_id in zip(step.request_ids, token_ids):
+            if self._owed and self._take_owed(request_id):
+                continue  # its state was dropped while this step ran
+            out = self._states[request_id].output_token_ids
+            # The oldest unknown token is this step's (at most two are outstanding).
+            out[out.index(None, max(0, len(out) - 2))] = token_id
         return ModelRunnerOutput(step.request_ids, token_ids)
 
-    def _fill_in_flight(self, scheduled: list[ScheduledRequest], input_ids: torch.Tensor) -> None:
-        """Put the tokens the host does not know yet into this step's input ids, on the device: each
-        is the last token of its request's chunk, sampled by the last launched step."""
-        dst, src, end = [], [], 0
+    def _take_owed(self, request_id: str) -> bool:
+        owed = self._owed.get(request_id)
+        if owed is None:
+            return False
+        if owed == 1:
+            del self._owed[request_id]
+        else:
+            self._owed[request_id] = owed - 1
+        return True
+
+    def _in_flight(self, scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int]]:
+        """Where this step's tokens in flight go (positions in its flat input ids: each is the last
+        token of its request's chunk), and where they are (rows of the last step's sampled ids)."""
+        positions, rows, end = [], [], 0
         for item in scheduled:
             end += len(item.token_ids)
             if item.token_ids[-1] is None:
-                dst.append(end - 1)
-                src.append(self._last_rows[item.request_id])
-        if dst:
-            tokens = self._last_sampled[to_device(src, torch.int64, self.device)]
-            input_ids[to_device(dst, torch.int64, self.device)] = tokens
+                positions.append(end - 1)
+                rows.append(self._last_rows[item.request_id])
+        return positions, rows
+
+    def _fill_in_flight(self, positions: list[int], rows: list[int], input_ids: torch.Tensor) -> None:
+        """Write the tokens in flight into this step's input ids, on the device."""
+        if positions:
+            tokens = self._last_sampled[to_device(rows, torch.int64, self.device)]
+            input_ids[to_device(positions, torch.int64, self.device)] = tokens
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         for request_id in scheduler_output.finished_request_ids:
-            self._states.pop(request_id, None)
+            self._drop_state(request_id)
         for item in scheduler_output.scheduled:
             if item.new:
+                # (A request the scheduler resumed, or a new one that took a finished one's id.)
+                self._drop_state(item.request_id)
                 self._states[item.request_id] = _RequestState(
                     item.sampling_params, item.prompt_token_ids, list(item.output_token_ids),
                     list(item.new_block_ids), self._generator(item.sampling_params), item.eos_token_ids,
                 )
             elif item.new_block_ids:
                 self._states[item.request_id].block_ids.extend(item.new_block_ids)
+
+    def _drop_state(self, request_id: str) -> None:
+        state = self._states.pop(request_id, None)
+        owed = state.output_token_ids[-2:].count(None) if state is not None else 0
+        if owed:  # tokens of it still in flight: collect() must not credit them to a later state
+            self._owed[request_id] = self._owed.get(request_id, 0) + owed
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = to_device([s for s, _ in pairs], torch.int64, self.device)
@@ -172,7 +197,8 @@ class ModelRunner:
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         return None if params.seed is None else request_generator(params.seed, self.device)
 
-    def prepare_inputs(self, scheduled: list[ScheduledRequest]) -> ModelInputs:
+    def prepare_inputs(self, scheduled: list[ScheduledRequest], in_flight: Sequence[int] = ()) -> ModelInputs:
+        """The flat batch of a step; `in_flight`: positions of tokens whose ids the device fills in."""
         num_reqs = len(scheduled)
         query_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_reqs)
         starts = np.fromiter((s.start_pos for s in scheduled), np.int64, num_reqs)
@@ -189,7 +215,9 @@ class ModelRunner:
         bs = self.block_size
         slot_mapping = block_table[req_of_token, positions // bs] * bs + positions % bs
 
-        input_ids = [t for s in scheduled for t in _known(s.token_ids)]
+        input_ids = [t for s in scheduled for t in s.token_ids]
+        for position in in_flight:
+            input_ids[position] = 0  # a placeholder: _fill_in_flight writes the id on the device
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
         logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
         prompt_logprob_rows = []
@@ -218,7 +246,9 @@ class ModelRunner:
             prompt_logprob_rows=prompt_logprob_rows,
         )
 
-    def prepare_decode_graph(self, scheduled: list[ScheduledRequest]) -> ModelInputs | None:
+    def prepare_decode_graph(
+        self, scheduled: list[ScheduledRequest], in_flight: Sequence[int] = ()
+    ) -> ModelInputs | None:
         """The padded inputs of a step the decode graphs run, or None when it runs eagerly: no
         graphs, a request that brings more than one token or asks for prompt logprobs, or more
         requests than the largest graph."""
@@ -228,7 +258,7 @@ class ModelRunner:
         if not all(len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs for s in scheduled):
             return None
         return graphs.prepare(
-            [_known(s.token_ids)[0] for s in scheduled],
+            _without_in_flight([s.token_ids[0] for s in scheduled], in_flight),
             [s.start_pos for s in scheduled],
             [self._states[s.request_id].block_ids for s in scheduled],
         )
@@ -251,16 +281,15 @@ class ModelRunner:
             return LaunchedStep(request_ids, output=self._sample_on_host(scheduled, inputs, logits, rows, request_ids))
         token_ids = self.sampler.choose(logits[:num_sampled], rows)  # (num_sampled,), on the device
         self._remember(request_ids, token_ids)
-        states = [self._states[request_id] for request_id in request_ids]
-        for state in states:
-            state.output_token_ids.append(None)  # collect() fills it in
+        for request_id in request_ids:
+            self._states[request_id].output_token_ids.append(None)  # collect() fills it in
         if token_ids.device.type != "cuda":
-            return LaunchedStep(request_ids, states, token_ids)
+            return LaunchedStep(request_ids, token_ids)
         host = torch.empty(num_sampled, dtype=token_ids.dtype, pin_memory=True)
         host.copy_(token_ids, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return LaunchedStep(request_ids, states, host, ready)
+        return LaunchedStep(request_ids, host, ready)
 
     def _sample_on_host(
         self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor, rows: list[SamplingRow],
@@ -312,10 +341,11 @@ class ModelRunner:
         return item.start_pos, [Logprobs(*row) for row in zip(targets, chosen, ranks, top)]
 
 
-def _known(token_ids: list[int | None]) -> list[int]:
-    """A chunk's token ids with 0 for a token in flight (only ever the last), whose id the runner
-    writes on the device (`_fill_in_flight`)."""
-    return token_ids if token_ids[-1] is not None else [*token_ids[:-1], 0]
+def _without_in_flight(token_ids: list[int | None], in_flight: Sequence[int]) -> list[int]:
+    """Placeholders (0) at the positions of tokens in flight, whose ids _fill_in_flight writes."""
+    for position in in_flight:
+        token_ids[position] = 0
+    return token_ids
 
 
 def fill_block_table(table: np.ndarray, tables: list[list[int]], lengths: np.ndarray) -> None:
