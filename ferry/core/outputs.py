@@ -90,3 +90,31 @@ class RequestUpdate:
     logprobs: Logprobs | None = None
     prompt_logprobs: tuple[int, list[Logprobs]] | None = None
     num_cached_tokens: int = 0
+
+
+class OwedTokens:
+    """Tokens still in flight (asynchronous scheduling) for requests that have ended on this side of
+    the seam. Their ids may be taken by new requests before the tokens arrive; `take` says which
+    arriving tokens are such leftovers, to be dropped."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+
+    def add(self, request_id: str, n: int) -> None:
+        if n:
+            self._counts[request_id] = self._counts.get(request_id, 0) + n
+
+    def take(self, request_id: str) -> bool:
+        """True (and one fewer owed) when a token of `request_id` is a leftover."""
+        n = self._counts.get(request_id)
+        if n is None:
+            return False
+        if n == 1:
+            del self._counts[request_id]
+        else:
+            self._counts[request_id] = n - 1
+        return True
+
+    def __bool__(self) -> bool:
+        return bool(self._counts)
+

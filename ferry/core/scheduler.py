@@ -24,7 +24,7 @@ from collections import deque
 
 from ferry.config import SchedulerConfig
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.core.outputs import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
+from ferry.core.outputs import ModelRunnerOutput, OwedTokens, RequestUpdate, ScheduledRequest, SchedulerOutput
 from ferry.core.request import FinishReason, Request, RequestStatus
 
 
@@ -43,7 +43,7 @@ class Scheduler:
         self._preempted_ids: list[str] = []  # in this schedule()
         # Tokens still in flight for requests that finished (asynchronous scheduling): their ids may
         # be taken by new requests before those tokens arrive, and must not be credited to them.
-        self._owed: dict[str, int] = {}
+        self._owed = OwedTokens()
 
     # ---- admission and removal ----
 
@@ -70,8 +70,7 @@ class Scheduler:
             self._finish(request, reason)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        if request.num_in_flight:
-            self._owed[request.request_id] = request.num_in_flight
+        self._owed.add(request.request_id, request.num_in_flight)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv_cache.free(request)
@@ -212,16 +211,6 @@ class Scheduler:
             request.num_in_flight += 1
         return item
 
-    def _take_owed(self, request_id: str) -> bool:
-        owed = self._owed.get(request_id)
-        if owed is None:
-            return False
-        if owed == 1:
-            del self._owed[request_id]
-        else:
-            self._owed[request_id] = owed - 1
-        return True
-
     def _take_finished_ids(self) -> set[str]:
         ids, self._finished_ids = self._finished_ids, set()
         return ids
@@ -235,7 +224,7 @@ class Scheduler:
         updates, self._pending_updates = self._pending_updates, []
         logprobs = runner_output.logprobs
         for i, request_id in enumerate(runner_output.sampled_request_ids):
-            if self._owed and self._take_owed(request_id):
+            if self._owed and self._owed.take(request_id):
                 continue  # its request finished while this step ran; a new one may have its id
             request = self.requests.get(request_id)
             if request is None:

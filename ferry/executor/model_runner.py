@@ -24,7 +24,7 @@ import torch
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
 from ferry.config import EngineConfig
-from ferry.core.outputs import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from ferry.core.outputs import Logprobs, ModelRunnerOutput, OwedTokens, ScheduledRequest, SchedulerOutput
 from ferry.sample import SamplerOutput, SamplingRow, request_generator
 from ferry.sample.logprobs import score_tokens
 from ferry.sampling_params import SamplingParams
@@ -92,7 +92,7 @@ class ModelRunner:
         self._last_rows: dict[str, int] = {}
         # Tokens still in flight for requests whose state was dropped (finished or preempted): a new
         # request may take the id before they arrive, and must not get them.
-        self._owed: dict[str, int] = {}
+        self._owed = OwedTokens()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -134,22 +134,12 @@ class ModelRunner:
             step.ready.synchronize()
         token_ids = step.token_ids.tolist()
         for request_id, token_id in zip(step.request_ids, token_ids):
-            if self._owed and self._take_owed(request_id):
+            if self._owed and self._owed.take(request_id):
                 continue  # its state was dropped while this step ran
             out = self._states[request_id].output_token_ids
             # The oldest unknown token is this step's (at most two are outstanding).
             out[out.index(None, max(0, len(out) - 2))] = token_id
         return ModelRunnerOutput(step.request_ids, token_ids)
-
-    def _take_owed(self, request_id: str) -> bool:
-        owed = self._owed.get(request_id)
-        if owed is None:
-            return False
-        if owed == 1:
-            del self._owed[request_id]
-        else:
-            self._owed[request_id] = owed - 1
-        return True
 
     def _in_flight(self, scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int]]:
         """Where this step's tokens in flight go (positions in its flat input ids: each is the last
@@ -184,9 +174,8 @@ class ModelRunner:
 
     def _drop_state(self, request_id: str) -> None:
         state = self._states.pop(request_id, None)
-        owed = state.output_token_ids[-2:].count(None) if state is not None else 0
-        if owed:  # tokens of it still in flight: collect() must not credit them to a later state
-            self._owed[request_id] = self._owed.get(request_id, 0) + owed
+        if state is not None:  # its tokens still in flight must not be credited to a later state
+            self._owed.add(request_id, state.output_token_ids[-2:].count(None))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = to_device([s for s, _ in pairs], torch.int64, self.device)
