@@ -1,6 +1,9 @@
 """ferry: a small, fast LLM inference engine with an OpenAI-compatible server."""
 
+from ferry.logger import configure_logging
 from ferry.sampling_params import RequestOutputKind, SamplingParams
+
+configure_logging()
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "RequestOutputKind"]
 __version__ = "0.1.0"

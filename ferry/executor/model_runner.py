@@ -15,6 +15,8 @@ the device. A step whose outputs need the host anyway (logprobs) is complete whe
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,6 +34,8 @@ from ferry.transfer import to_device
 
 if TYPE_CHECKING:
     from ferry.executor.cuda_graph import DecodeGraphRunner
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -366,10 +370,16 @@ def build_model_runner(config: EngineConfig) -> ModelRunner:
 
     device = torch.device(config.device)
     torch.manual_seed(config.seed)
+    start = time.perf_counter()
     model = load_model(config.model, device)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("model loaded in %.1f s: %.2f GB of weights on %s", time.perf_counter() - start, weight_bytes / 1e9, device)
     tune_small_batch(model)  # before the KV cache takes the memory, and before graphs capture
-    num_blocks = _num_kv_blocks(config, kv_cache_bytes_per_block(config.model, config.cache.block_size))
+    bytes_per_block = kv_cache_bytes_per_block(config.model, config.cache.block_size)
+    num_blocks = _num_kv_blocks(config, bytes_per_block)
     kv_caches = allocate_kv_caches(config.model, num_blocks, config.cache.block_size, device)
+    logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, config.cache.block_size,
+                num_blocks * config.cache.block_size, num_blocks * bytes_per_block / 1e9)
     backend = get_attention_backend(device)
     decode_graphs = _decode_graphs(config, model, kv_caches, backend)
     return ModelRunner(config, model, kv_caches, backend, Sampler(seed=config.seed, device=device), decode_graphs)
