@@ -8,8 +8,9 @@
 # (every log and JSON result). SUITE_BUDGET (seconds, default 570) caps the whole run: a step
 # gets what is left of it when that is less than its own limit, and is skipped when under 20 s.
 # HF_BASELINES names the folder of the baseline scripts (hf_static.py, hf_cb.py). FERRY_ARGS is added
-# to every ferry engine command; a step named NAME+async runs NAME with --async-scheduling added, so
-# that `throughput_qwen3 throughput_qwen3+async` compares the two in one run.
+# to every ferry engine command; a step named NAME+sync runs NAME with --no-async-scheduling added
+# (asynchronous scheduling is the default on CUDA), so that `throughput_qwen3 throughput_qwen3+sync`
+# compares the two in one run.
 set -u
 out=${1:-logs}
 shift || true
@@ -112,8 +113,8 @@ step() {  # the time limit in seconds of one step, and its command
 }
 for name in $steps; do
   fa=$ferry_args
-  [ "${name%+async}" != "$name" ] && fa="$fa --async-scheduling"
-  read -r limit cmd <<< "$(step "${name%+async}")" || continue
+  [ "${name%+sync}" != "$name" ] && fa="$fa --no-async-scheduling"
+  read -r limit cmd <<< "$(step "${name%+sync}")" || continue
   left=$((budget - SECONDS))
   if [ $left -lt 20 ]; then
     echo "== $name: skipped, $left s of the budget left" | tee -a "$out/summary.txt"

@@ -25,9 +25,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                         help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs "
                              "(the default on CUDA)")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule and launch each step before waiting for the last one's tokens, so "
-                             "the host's work overlaps the device's")
+                             "the host's work overlaps the device's (the default on CUDA)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

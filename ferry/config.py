@@ -158,7 +158,8 @@ class EngineConfig:
     enforce_eager: bool = True
     # None: the defaults above, up to max_num_seqs (which is added when it falls between two).
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
-    # Schedule and launch each step before waiting for the last one's tokens (engine/engine.py).
+    # Schedule and launch each step before waiting for the last one's tokens (engine/engine.py;
+    # make_engine_config's default: on CUDA only).
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:

@@ -212,12 +212,17 @@ def make_engine_config(
     enable_prefix_caching: bool = True,
     enforce_eager: bool | None = None,
     cuda_graph_batch_sizes: list[int] | tuple[int, ...] | None = None,
-    async_scheduling: bool = False,
+    async_scheduling: bool | None = None,
 ) -> EngineConfig:
     """The engine's configuration from `LLM`'s keyword arguments. enforce_eager None: decode steps
-    replay CUDA graphs on a CUDA device, and run eagerly elsewhere (padding buys nothing there)."""
+    replay CUDA graphs on a CUDA device, and run eagerly elsewhere (padding buys nothing there).
+    async_scheduling None: on a CUDA device, where the host's work can hide behind the device's;
+    on a CPU the two are the same cores, and overlapping them gains nothing."""
+    on_cuda = str(device).split(":")[0] == "cuda"
     if enforce_eager is None:
-        enforce_eager = str(device).split(":")[0] != "cuda"
+        enforce_eager = not on_cuda
+    if async_scheduling is None:
+        async_scheduling = on_cuda
     model_config = ModelConfig.from_pretrained(model, dtype, max_model_len, load_format)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(8192, min(model_config.max_model_len, 16384)) if device != "cpu" else 2048
