@@ -37,9 +37,10 @@ def _layer(n, k, bias, dtype, seed=0):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("config", gemv.CANDIDATES, ids=str)
-# The last: split 4 with three k-tiles a slice.
-@pytest.mark.parametrize("rows,n,k,bias", [(1, 48, 200, False), (3, 100, 64, True), (4, 64, 300, False),
-                                           (2, 40, 1100, True)])
+# Ragged K (a last tile partly masked), output columns not a multiple of BLOCK_N, 1 to 4 rows, 3
+# rows padded to a block of 4, and K spanning several tiles.
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 48, 200, False), (3, 100, 64, True), (4, 64, 1024, False),
+                                           (2, 37, 2500, True)])
 def test_gemv_matches_linear(rows, n, k, bias, config, dtype):
     weight, b = _layer(n, k, bias, dtype)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
@@ -48,54 +49,61 @@ def test_gemv_matches_linear(rows, n, k, bias, config, dtype):
                                atol=tol, rtol=tol)
 
 
-def test_split_k_is_deterministic():
-    """Partials summed, not added atomically (on a GPU, atomics would add in any order)."""
-    weight, _ = _layer(64, 512, False, torch.bfloat16)
-    x = torch.randn(2, 512, device=DEVICE).to(torch.bfloat16)
-    config = gemv.GemvConfig(32, 128, 4)
-    assert torch.equal(gemv.gemv(x, weight, None, config), gemv.gemv(x, weight, None, config))
+def test_gemv_reads_strided_rows():
+    """x may be a view whose rows are further apart than K (a slice of a wider activation)."""
+    weight, _ = _layer(40, 96, False, DTYPES[-1])
+    wide = torch.randn(3, 160, device=DEVICE).to(DTYPES[-1])
+    x = wide[:, :96]
+    tol = TOLERANCE[DTYPES[-1]]
+    torch.testing.assert_close(gemv.gemv(x, weight, None, gemv.CANDIDATES[0]).float(),
+                               torch.nn.functional.linear(x, weight).float(), atol=tol, rtol=tol)
 
 
-def test_linear_uses_the_kernel_for_small_batches_only(monkeypatch):
+def test_linear_uses_each_configuration_for_its_rows_only(monkeypatch):
     layer = Linear(64, 48, bias=True).to(DEVICE, DTYPES[-1])
     calls = []
     real = gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    layer.small_batch = gemv.GemvConfig(32, 128, 1)
+    monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append((a[0].shape[0], a[3])) or real(*a))
+    one, few = gemv.CANDIDATES[0], gemv.CANDIDATES[1]
+    layer.gemv_one_row, layer.gemv_few_rows = one, few
     tol = TOLERANCE[DTYPES[-1]]
-    for rows in (1, gemv.MAX_ROWS, gemv.MAX_ROWS + 1):
+    for rows in (1, 2, gemv.MAX_ROWS, gemv.MAX_ROWS + 1):
         x = torch.randn(rows, 64, device=DEVICE).to(DTYPES[-1])
         torch.testing.assert_close(layer(x).float(), torch.nn.functional.linear(x, layer.weight, layer.bias).float(),
                                    atol=tol, rtol=tol)
-    assert calls == [1, gemv.MAX_ROWS]
+    assert calls == [(1, one), (2, few), (gemv.MAX_ROWS, few)]
+    calls.clear()
+    layer.gemv_few_rows = None  # cuBLAS for a few rows, the GEMV still for one
+    layer(torch.randn(2, 64, device=DEVICE).to(DTYPES[-1]))
+    layer(torch.randn(1, 64, device=DEVICE).to(DTYPES[-1]))
+    assert calls == [(1, one)]
 
 
-def _timings(cublas, candidates_1, candidates_4):
-    times = {(1, None): cublas[0], (gemv.MAX_ROWS, None): cublas[1]}
-    for config, t1, t4 in zip(gemv.CANDIDATES, candidates_1, candidates_4):
-        times[1, config], times[gemv.MAX_ROWS, config] = t1, t4
+def _timings(rows, cublas, candidates):
+    times = {(rows, None): cublas}
+    for config, t in zip(gemv.CANDIDATES, candidates):
+        times[rows, config] = t
     return times
 
 
-def test_choice_needs_a_clear_win_at_one_row_and_no_loss_at_four():
-    a, b, c, d = gemv.CANDIDATES
+def test_choice_needs_a_clear_win_over_cublas():
+    a, b, c, *rest = gemv.CANDIDATES
     inf = float("inf")
-    # b is fastest at one row but loses at four rows; c wins both; d failed to run.
-    assert gemv.choose(_timings((10, 10), (9.5, 5, 6, inf), (9, 11, 9, inf))) == c
-    assert gemv.choose(_timings((10, 10), (9.5, 9.2, 9.8, inf), (9, 9, 9, inf))) is None  # under 10%
-    assert gemv.choose(_timings((10, 10), (8, 7, 9, inf), (10, 10, 10, inf))) == b  # ties at four rows
-    assert gemv.choose(_timings((10, 10), (inf,) * 4, (inf,) * 4)) is None
+    others = (inf,) * len(rest)
+    assert gemv.choose(_timings(1, 10, (9.5, 5, 6, *others)), 1) == b
+    assert gemv.choose(_timings(4, 10, (9.5, 9.2, 9.8, *others)), 4) is None  # under 10%: noise
+    assert gemv.choose(_timings(1, 10, (inf, inf, inf, *others)), 1) is None  # none ran
 
 
 def test_float32_layers_keep_cublas():
     weight = torch.zeros(8, 8)  # no timing happens: the dtype decides
-    assert gemv.tune(weight, None) is None
+    assert gemv.tune(weight, None) == (None, None)
 
 
 def test_tuning_leaves_cpu_models_alone():
     model = torch.nn.Sequential(Linear(8, 8), Linear(8, 4))
     tune_small_batch(model)
-    assert all(layer.small_batch is None for layer in model)
+    assert all(layer.gemv_one_row is None and layer.gemv_few_rows is None for layer in model)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="tuning times kernels on a GPU")
@@ -106,7 +114,8 @@ def test_tuning_chooses_per_shape_and_keeps_results():
     assert all(0 < times[rows, None] < 1e-3 for rows in (1, gemv.MAX_ROWS))  # cuBLAS, timed
     assert any(times[1, c] < float("inf") for c in gemv.CANDIDATES)  # the candidates run and agree
     tune_small_batch(model)
-    assert model[0].small_batch == model[2].small_batch  # one decision per shape
+    assert model[0].gemv_one_row == model[2].gemv_one_row  # one decision per shape
+    assert model[0].gemv_few_rows == model[2].gemv_few_rows
     x = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16)
     torch.testing.assert_close(model[0](x).float(), torch.nn.functional.linear(x, model[0].weight).float(),
                                atol=2e-2, rtol=2e-2)

@@ -1,20 +1,26 @@
-"""A split-K matrix-vector kernel for the linear layers of small decode batches, used only where it
-measures faster than cuBLAS on the device at hand.
+"""A matrix-vector kernel for the linear layers of small decode batches, used only where it measures
+faster than cuBLAS on the device at hand.
 
-At batch 1 a linear layer reads its whole weight to produce one row: pure bandwidth. cuBLAS picks
-its kernel from heuristics, and for some shapes the pick is poor: on an H200, Qwen3-0.6B's o_proj
-(2048 -> 1024, 4 MB in bf16) took 12.3 us, a third of the bandwidth. The kernel here gives each
-program BLOCK_N output columns and one of SPLIT_K slices of the input dimension:
+At batch 1 a linear layer reads its whole weight to produce one row: pure bandwidth, and for the
+small layers of a small model, launch latency too. cuBLAS picks its kernel from heuristics, and
+for these shapes the pick is often poor: on an H200, Qwen3-0.6B's o_proj (2048 -> 1024, 4 MB in
+bf16) took 12.7 us in cuBLAS, a tenth of the bandwidth; this kernel takes 3.7 us.
 
     y (M, N) = x (M, K) @ W^T       W: (N, K), rows contiguous, as nn.Linear stores it
 
-    program (n, s): acc (16, BLOCK_N) += x[:, k-tile] @ W[n-block, k-tile]^T  for the k-tiles of slice s
-                    then acc goes to y, or (SPLIT_K > 1) to float32 partials that one sum adds up:
-                    not atomics, whose order would make the result differ from run to run
+    program n:  for each BLOCK_K tile of K:
+                    w = W[BLOCK_N columns of y, tile]            one wide load, many bytes in flight
+                    for each of the M rows:  acc[row] += sum over the tile of w * x[row, tile]
 
-The M rows of x are padded to 16 (tl.dot's minimum), which costs nothing: the weights dominate the
-bytes. Which configuration, if any, beats cuBLAS is measured at startup for every distinct layer
-shape (`tune`), in a CUDA graph as decode runs it, and each layer remembers its choice.
+No tensor cores: at one row they would multiply mostly padding, and a GEMV has nothing to reuse.
+What matters is keeping enough loads in flight to cover the memory latency on every multiprocessor:
+many programs of a few output columns each (BLOCK_N 2 to 16), each loading a whole BLOCK_N x
+BLOCK_K tile at once. No split over K either: each program owns its outputs, so there is no second
+pass, no float atomics, and the result is the same from run to run.
+
+Which configuration, if any, beats cuBLAS is measured at startup for every distinct layer shape
+(`tune`), in CUDA graphs as decode replays them, separately for one row and for a few rows (two to
+SMALL_BATCH_ROWS): at four rows cuBLAS's tensor-core kernels often win back what they lose at one.
 """
 
 from __future__ import annotations
@@ -27,91 +33,84 @@ import torch
 import triton
 import triton.language as tl
 
-from ferry.attention.kernels.launch import dot_precision
 from ferry.layers.linear import SMALL_BATCH_ROWS
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = SMALL_BATCH_ROWS  # tuning times 1 and this many rows
-_MIN_DOT_ROWS = 16
+MAX_ROWS = SMALL_BATCH_ROWS  # the "few rows" bucket is timed at this many rows, its worst case
 
 
 @dataclass(frozen=True)
 class GemvConfig:
     block_n: int
     block_k: int
-    split_k: int
     num_warps: int = 4
-    num_stages: int = 4
 
 
-# Few, because each compiles at startup: the winners over Qwen3-0.6B's and Llama-3.1-8B's layer shapes
-# at one row on an H200, among block_n 16/32/64, block_k 128/256 and split_k 1/2/4.
-CANDIDATES = (GemvConfig(32, 128, 1), GemvConfig(64, 128, 1), GemvConfig(64, 256, 1), GemvConfig(32, 128, 4))
+# Few, because each compiles at startup: the fastest over Qwen3-0.6B's and Llama-3.1-8B's layer shapes
+# on an H200, at one and four rows (`python -m ferry.bench.gemv` times them all).
+CANDIDATES = (
+    GemvConfig(2, 1024, 4), GemvConfig(2, 2048, 8), GemvConfig(4, 512, 4), GemvConfig(4, 1024, 4),
+    GemvConfig(8, 2048, 8), GemvConfig(16, 1024, 8),
+)
 
 
 @triton.jit(do_not_specialize=["m"])
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr,
     m, n, k, stride_xm, stride_wn, stride_ym,
-    k_tiles,  # BLOCK_K tiles per split
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
     rows = tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for i in range(k_tiles):
-        ks = (pid_k * k_tiles + i) * BLOCK_K + tl.arange(0, BLOCK_K)
-        w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < n) & (ks[None, :] < k),
-                    other=0.0)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=(rows[:, None] < m) & (ks[None, :] < k),
-                    other=0.0)
-        acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
+        if EVEN_K:  # a mask that is constant along K keeps the loads vectorized
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks[None, :] < k), other=0.0)
+        w = w.to(tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            x = tl.load(x_ptr + r * stride_xm + ks, mask=(ks < k) & (r < m), other=0.0).to(tl.float32)
+            acc = tl.where(rows[:, None] == r, acc + tl.sum(w * x[None, :], axis=1)[None, :], acc)
     if HAS_BIAS:
-        if pid_k == 0:
-            acc += tl.load(bias_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)[None, :]
-    mask = (rows[:, None] < m) & (cols[None, :] < n)
-    # y: (M, N), or (SPLIT_K, M, N) float32 partials with stride_ym * m between slices.
-    y_ptrs = y_ptr + pid_k * stride_ym * m + rows[:, None] * stride_ym + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    mask = (rows[:, None] < m) & col_ok[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x of at most 16 rows."""
+    """F.linear(x, weight, bias) for x of a few rows (each compiles its own power-of-two row count)."""
     m, k = x.shape
     n = weight.shape[0]
-    assert m <= _MIN_DOT_ROWS and x.stride(-1) == 1 and weight.stride(-1) == 1
-    split = config.split_k
-    k_tiles = triton.cdiv(triton.cdiv(k, split), config.block_k)
-    if split == 1:
-        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    else:
-        y = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, config.block_n), split)](
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else weight, y,
-        m, n, k, x.stride(0), weight.stride(0), n, k_tiles,
-        HAS_BIAS=bias is not None, BLOCK_M=_MIN_DOT_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        SPLIT_K=split, DOT_PRECISION=dot_precision(x.dtype), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        m, n, k, x.stride(0), weight.stride(0), n,
+        HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=1,
     )
-    return y if split == 1 else y.sum(0).to(x.dtype)
+    return y
 
 
-# The weight dtypes the kernel is for: 16-bit. (A float32 model would want full-precision products,
-# and its tiles would need more shared memory than some GPUs have.)
+# The weight dtypes the kernel is for: 16-bit. (A float32 layer is compute-heavier per byte, and
+# cuBLAS serves it well.)
 DTYPES = (torch.bfloat16, torch.float16)
 
 Timings = dict[tuple[int, GemvConfig | None], float]  # (rows, config or None for cuBLAS) -> seconds
 
 
-def tune(weight: torch.Tensor, bias: torch.Tensor | None) -> GemvConfig | None:
-    """The configuration this layer should use for small batches, or None for cuBLAS."""
+def tune(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[GemvConfig | None, GemvConfig | None]:
+    """The configurations this layer should use for one row and for a few rows (None: cuBLAS)."""
     if weight.dtype not in DTYPES:
-        return None
-    return choose(measure(weight, bias))
+        return None, None
+    times = measure(weight, bias)
+    return choose(times, 1), choose(times, MAX_ROWS)
 
 
 # In decode a layer's weights come from memory, not from the L2 cache (50 MB on an H200): the other
@@ -140,12 +139,11 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Timings:
     return times
 
 
-def choose(times: Timings, margin: float = 0.9) -> GemvConfig | None:
-    """The fastest candidate at one row among those that take at most `margin` of cuBLAS's time
-    there and no more than cuBLAS at MAX_ROWS rows; None when no candidate does."""
-    fast = [c for c in CANDIDATES
-            if times[1, c] <= margin * times[1, None] and times[MAX_ROWS, c] <= times[MAX_ROWS, None]]
-    return min(fast, key=lambda c: times[1, c], default=None)
+def choose(times: Timings, rows: int, margin: float = 0.9) -> GemvConfig | None:
+    """The fastest candidate at `rows` rows if it takes at most `margin` of cuBLAS's time there
+    (a clear win, not noise); else None."""
+    best = min(CANDIDATES, key=lambda c: times[rows, c])
+    return best if times[rows, best] <= margin * times[rows, None] else None
 
 
 def _graph_time(fn, weights: list[torch.Tensor], calls: int = 32, replays: int = 10) -> float:

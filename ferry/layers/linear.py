@@ -30,13 +30,16 @@ SMALL_BATCH_ROWS = 4
 
 
 class Linear(nn.Linear):
-    # Set by tune_small_batch: the GEMV configuration for batches of at most SMALL_BATCH_ROWS rows.
-    small_batch: GemvConfig | None = None
+    # Set by tune_small_batch: the GEMV configurations for one row and for two to SMALL_BATCH_ROWS
+    # rows (None: cuBLAS).
+    gemv_one_row: GemvConfig | None = None
+    gemv_few_rows: GemvConfig | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        config = self.small_batch
-        if config is not None and x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
-            return _gemv().gemv(x, self.weight, self.bias, config)
+        if x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
+            config = self.gemv_one_row if x.shape[0] == 1 else self.gemv_few_rows
+            if config is not None:
+                return _gemv().gemv(x, self.weight, self.bias, config)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -48,11 +51,11 @@ def _gemv():
 
 def tune_small_batch(model: nn.Module) -> None:
     """Measure, once per distinct shape, whether the GEMV kernel beats cuBLAS for small batches,
-    and set each `Linear`'s `small_batch` accordingly. CUDA only; a no-op elsewhere."""
+    and set each `Linear`'s configurations accordingly. CUDA only; a no-op elsewhere."""
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if not layers or layers[0].weight.device.type != "cuda":
         return
-    choices: dict[tuple, GemvConfig | None] = {}
+    choices: dict[tuple, tuple[GemvConfig | None, GemvConfig | None]] = {}
     for layer in layers:
         key = (*layer.weight.shape, layer.weight.dtype, layer.bias is not None)
         if key not in choices:
@@ -61,10 +64,15 @@ def tune_small_batch(model: nn.Module) -> None:
                     choices[key] = _gemv().tune(layer.weight, layer.bias)
             except Exception as e:  # an optimization: cuBLAS serves every shape anyway
                 logger.warning("small-batch GEMV tuning failed for %s, using cuBLAS: %s", key, e)
-                choices[key] = None
-        layer.small_batch = choices[key]
-    for key, config in choices.items():
-        logger.info("linear %s x %s: %s", key[0], key[1], f"GEMV {config}" if config else "cuBLAS")
+                choices[key] = (None, None)
+        layer.gemv_one_row, layer.gemv_few_rows = choices[key]
+    for key, (one, few) in choices.items():
+        logger.info("linear %s x %s: 1 row %s; 2-%d rows %s", key[0], key[1], _describe(one), SMALL_BATCH_ROWS,
+                    _describe(few))
+
+
+def _describe(config: GemvConfig | None) -> str:
+    return "cuBLAS" if config is None else f"GEMV {config.block_n}x{config.block_k} ({config.num_warps} warps)"
 
 
 class MergedLinear(Linear):
