@@ -119,3 +119,36 @@ def test_tuning_chooses_per_shape_and_keeps_results():
     x = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16)
     torch.testing.assert_close(model[0](x).float(), torch.nn.functional.linear(x, model[0].weight).float(),
                                atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,k", [(1, 200), (3, 1024), (4, 700)])
+def test_gemv_applies_silu_and_mul_to_its_input(rows, k, dtype):
+    """down_proj(silu(gate) * up) in one kernel equals the activation then the product, with the
+    activation rounded to the dtype as the separate kernel rounds it."""
+    weight, b = _layer(40, k, True, dtype)
+    gate_up = torch.randn(rows, 2 * k, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    act = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype)
+    tol = TOLERANCE[dtype]
+    for config in gemv.CANDIDATES[:2]:
+        torch.testing.assert_close(gemv.gemv(gate_up, weight, b, config, silu_mul=True).float(),
+                                   torch.nn.functional.linear(act, weight, b).float(), atol=tol, rtol=tol)
+
+
+def test_linear_fuses_the_activation_only_where_the_gemv_runs(monkeypatch):
+    layer = Linear(64, 48, bias=False).to(DEVICE, DTYPES[-1])
+    acts = []
+
+    def act(gate_up):
+        acts.append(gate_up.shape[0])
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    layer.gemv_one_row = gemv.CANDIDATES[0]
+    tol = TOLERANCE[DTYPES[-1]]
+    for rows in (1, 2):
+        gate_up = torch.randn(rows, 128, device=DEVICE).to(DTYPES[-1])
+        torch.testing.assert_close(layer.forward_silu_and_mul(gate_up, act).float(),
+                                   layer(act(gate_up)).float(), atol=tol, rtol=tol)
+    assert acts == [1, 2, 2]  # the reference's calls, and the two-row batch's own: one row fused

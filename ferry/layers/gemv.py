@@ -60,7 +60,7 @@ def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr,
     m, n, k, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
@@ -75,7 +75,13 @@ def _gemv_kernel(
             w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks[None, :] < k), other=0.0)
         w = w.to(tl.float32)
         for r in tl.static_range(BLOCK_M):
-            x = tl.load(x_ptr + r * stride_xm + ks, mask=(ks < k) & (r < m), other=0.0).to(tl.float32)
+            x_mask = (ks < k) & (r < m)
+            x = tl.load(x_ptr + r * stride_xm + ks, mask=x_mask, other=0.0)
+            if SILU_MUL:  # x holds gate then up: silu(gate) * up, rounded as silu_and_mul rounds it
+                g = x.to(tl.float32)
+                up = tl.load(x_ptr + r * stride_xm + k + ks, mask=x_mask, other=0.0).to(tl.float32)
+                x = ((g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32) * up).to(x.dtype)
+            x = x.to(tl.float32)
             acc = tl.where(rows[:, None] == r, acc + tl.sum(w * x[None, :], axis=1)[None, :], acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -83,17 +89,23 @@ def _gemv_kernel(
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> torch.Tensor:
-    """F.linear(x, weight, bias) for x of a few rows (each compiles its own power-of-two row count)."""
-    m, k = x.shape
-    n = weight.shape[0]
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig, silu_mul: bool = False,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x of a few rows (each compiles its own power-of-two row count).
+    silu_mul: x is (m, 2k), gate then up, and the product is with silu(gate) * up: the MLP's
+    activation done as the down projection loads its input, one kernel fewer per layer."""
+    m = x.shape[0]
+    n, k = weight.shape
+    assert x.shape[1] == (2 * k if silu_mul else k)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else weight, y,
         m, n, k, x.stride(0), weight.stride(0), n,
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, num_warps=config.num_warps, num_stages=1,
+        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SILU_MUL=silu_mul, num_warps=config.num_warps,
+        num_stages=1,
     )
     return y
 

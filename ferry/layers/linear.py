@@ -12,6 +12,7 @@ name; the loader uses that to copy each checkpoint tensor straight into its rows
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,11 +37,23 @@ class Linear(nn.Linear):
     gemv_few_rows: GemvConfig | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= SMALL_BATCH_ROWS:
-            config = self.gemv_one_row if x.shape[0] == 1 else self.gemv_few_rows
-            if config is not None:
-                return _gemv().gemv(x, self.weight, self.bias, config)
+        config = self._gemv_config(x)
+        if config is not None:
+            return _gemv().gemv(x, self.weight, self.bias, config)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_silu_and_mul(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """self(act(gate_up)) where act is SiLU-and-mul; where the GEMV serves this batch it applies
+        the activation itself as it loads gate_up, and the activation's kernel is saved."""
+        config = self._gemv_config(gate_up)
+        if config is not None:
+            return _gemv().gemv(gate_up, self.weight, self.bias, config, silu_mul=True)
+        return self(act(gate_up))
+
+    def _gemv_config(self, x: torch.Tensor) -> GemvConfig | None:
+        if x.dim() != 2 or x.shape[0] > SMALL_BATCH_ROWS:
+            return None
+        return self.gemv_one_row if x.shape[0] == 1 else self.gemv_few_rows
 
 
 def _gemv():
