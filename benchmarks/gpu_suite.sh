@@ -67,11 +67,15 @@ serve_startup() {  # start to ready, then one request, as a user would check it
   grep -i "captured\|startup\|loaded\|kv cache" "$logs/$name.serve.log"
 }
 
-serve_sweep() {  # offline first (the server would hold the memory), then HTTP at each rate
+# Offline first (the server would hold the memory), then HTTP at each rate. Every rate sends the same
+# prompts, so both sides run without prefix caching: else every rate after the first would find its
+# prompts cached, and HTTP would skip the prefill that the offline run computes.
+serve_sweep() {
   python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda --no-enforce-eager $fa \
-    --num-prompts $sweep_prompts --input-len $sweep_in --output-len $sweep_out --json "$logs/$name.offline.json" || return 1
+    --no-enable-prefix-caching --num-prompts $sweep_prompts --input-len $sweep_in --output-len $sweep_out \
+    --json "$logs/$name.offline.json" || return 1
   serve_ready 90 --model $qwen --load-format dummy --dtype bfloat16 --device cuda --no-enforce-eager $fa \
-    --max-num-seqs 256 || return 1
+    --no-enable-prefix-caching --max-num-seqs 256 || return 1
   python3 -m ferry bench serve --base-url http://localhost:8000 --prompt-token-ids --ignore-eos --disable-tqdm \
     --num-prompts $sweep_prompts --random-input-len $sweep_in --random-output-len $sweep_out --random-range-ratio 0 \
     --num-warmups 8 --request-rate-sweep $sweep_rates --save-result "$logs/$name.http.json"
