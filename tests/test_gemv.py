@@ -97,7 +97,7 @@ def test_choice_needs_a_clear_win_over_cublas():
 
 def test_float32_layers_keep_cublas():
     weight = torch.zeros(8, 8)  # no timing happens: the dtype decides
-    assert gemv.tune(weight, None) == (None, None)
+    assert gemv.tune(weight, None) == (None, None, False)
 
 
 def test_tuning_leaves_cpu_models_alone():
@@ -116,6 +116,9 @@ def test_tuning_chooses_per_shape_and_keeps_results():
     tune_small_batch(model)
     assert model[0].gemv_one_row == model[2].gemv_one_row  # one decision per shape
     assert model[0].gemv_few_rows == model[2].gemv_few_rows
+    assert model[0].gemv_fuses_norm == model[2].gemv_fuses_norm
+    fused, separate = gemv.measure_norm_fusion(model[0].weight, None, gemv.CANDIDATES[0])
+    assert 0 < fused < 1e-3 and 0 < separate < 1e-3
     x = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16)
     torch.testing.assert_close(model[0](x).float(), torch.nn.functional.linear(x, model[0].weight).float(),
                                atol=2e-2, rtol=2e-2)
@@ -152,3 +155,89 @@ def test_linear_fuses_the_activation_only_where_the_gemv_runs(monkeypatch):
         torch.testing.assert_close(layer.forward_silu_and_mul(gate_up, act).float(),
                                    layer(act(gate_up)).float(), atol=tol, rtol=tol)
     assert acts == [1, 2, 2]  # the reference's calls, and the two-row batch's own: one row fused
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows,k,with_residual", [(1, 200, True), (3, 1024, True), (2, 700, False), (4, 2500, True)])
+def test_gemv_applies_the_rms_norm_to_its_input(rows, k, with_residual, dtype):
+    """linear(rms_norm(x + residual)) in one kernel equals RMSNorm (Hugging Face's rounding) then the
+    product, and the new residual stream is x + residual rounded to the dtype (x without one)."""
+    from ferry.layers.norm import RMSNorm
+
+    weight, b = _layer(36, k, True, dtype)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE)
+    residual = torch.randn(rows, k, generator=g).to(dtype).to(DEVICE) if with_residual else None
+    norm = RMSNorm(k, eps=1e-6)
+    norm.weight.data = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    norm = norm.to(DEVICE)
+    expected_residual = (x.float() + residual.float()).to(dtype) if with_residual else x
+    expected_h = norm._norm(expected_residual)
+    tol = TOLERANCE[dtype]
+    for config in gemv.CANDIDATES[:2]:
+        kept = None if residual is None else residual.clone()
+        y, new_residual = gemv.gemv_rms_norm(x, residual, norm.weight, norm.eps, weight, b, config)
+        torch.testing.assert_close(y.float(), torch.nn.functional.linear(expected_h, weight, b).float(),
+                                   atol=tol, rtol=tol)
+        # (Triton's interpreter rounds float32 to bfloat16 its own way: one unit in the last place.)
+        torch.testing.assert_close(new_residual.float(), expected_residual.float(), atol=0, rtol=tol / 2)
+        if residual is not None:
+            assert torch.equal(residual, kept)  # the old stream is left as it was
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_through_the_gemv_matches_the_layers_without_it(arch, tmp_path, monkeypatch):
+    """A one-token step of a whole model with every linear layer on the GEMV, the norms and the
+    activation inside it, against the same model on its usual path (float32)."""
+    from tiny_models import flat_batch, make_tiny_model
+
+    from ferry.attention.backend import ForwardContext
+    from ferry.attention.selector import get_attention_backend
+    from ferry.config import ModelConfig
+    from ferry.loader.loader import load_model
+
+    make_tiny_model(arch, tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path, "float32", None, "auto")
+    model = load_model(config, torch.device(DEVICE))
+    block_size = 4
+    kv = [torch.randn(2, 3, block_size, config.num_kv_heads, config.head_dim, device=DEVICE) * 0.3
+          for _ in range(config.num_layers)]
+    calls = []
+    for name in ("gemv", "gemv_rms_norm"):
+        real = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    logits = []
+    for config_for_rows in (None, gemv.CANDIDATES[0]):
+        for layer in model.modules():
+            if isinstance(layer, Linear):
+                layer.gemv_one_row, layer.gemv_fuses_norm = config_for_rows, config_for_rows is not None
+        positions, metadata = flat_batch([(6, 1)], [[0, 1]], block_size)  # the 7th token of a request
+        for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
+            setattr(metadata, name, getattr(metadata, name).to(DEVICE))
+        ctx = ForwardContext(metadata, [c.clone() for c in kv], get_attention_backend(torch.device(DEVICE)))
+        with torch.inference_mode():
+            hidden = model(torch.tensor([17], device=DEVICE), positions.to(DEVICE), ctx)
+            logits.append(model.compute_logits(hidden).cpu())
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+    # Per layer: qkv and gate_up with their norms, o_proj plain, down_proj with the activation.
+    assert calls.count("gemv_rms_norm") == 2 * config.num_layers
+    assert calls.count("gemv") == 2 * config.num_layers
+
+
+def test_the_norm_runs_inside_the_gemv_only_where_tuning_said_so(monkeypatch):
+    from ferry.layers.norm import RMSNorm
+
+    layer = Linear(64, 48, bias=False).to(DEVICE, DTYPES[-1])
+    norm = RMSNorm(64, eps=1e-6).to(DEVICE, DTYPES[-1])
+    calls = []
+    real = gemv.gemv_rms_norm
+    monkeypatch.setattr(gemv, "gemv_rms_norm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    layer.gemv_one_row = layer.gemv_few_rows = gemv.CANDIDATES[0]
+    x = torch.randn(2, 64, device=DEVICE).to(DTYPES[-1])
+    for fuses, rows in ((False, 1), (True, 2), (True, 1)):
+        layer.gemv_fuses_norm = fuses
+        y, residual = layer.forward_rms_norm(x[:rows], None, norm)
+        tol = TOLERANCE[DTYPES[-1]]
+        torch.testing.assert_close(y.float(), layer(norm(x[:rows])).float(), atol=tol, rtol=tol)
+        assert residual is x[:rows] or torch.equal(residual, x[:rows])
+    assert calls == [1]  # fused for one row, once tuning chose it

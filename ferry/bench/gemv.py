@@ -1,5 +1,6 @@
 """Time the small-batch linear layers of the benchmark models: cuBLAS against every GEMV candidate
-(ferry/layers/gemv.py), as the startup tuning measures them, with the bandwidth each achieves.
+(ferry/layers/gemv.py), as the startup tuning measures them, with the bandwidth each achieves, and
+the add+RMSNorm inside the GEMV against the norm's own kernel before it.
 
     python -m ferry.bench.gemv        # CUDA only: Qwen3-0.6B's and Llama-3.1-8B's layer shapes
 
@@ -64,6 +65,11 @@ def main(argv: list[str] | None = None) -> None:
                 for t, _, label in shown:
                     print(f"  rows {rows}  {label:<28} {t * 1e6:7.2f} us  {floor / t:6.1%} of floor  "
                           f"{cublas / t:5.2f}x cuBLAS")
+            best = min(gemv.CANDIDATES, key=lambda c: times[1, c])
+            with torch.inference_mode():
+                fused, separate = gemv.measure_norm_fusion(weight, None, best)
+            print(f"  rows 1  add+RMSNorm inside {_name(best)}: {fused * 1e6:.2f} us; "
+                  f"the norm's kernel, then the GEMV: {separate * 1e6:.2f} us")
             del weight
 
 

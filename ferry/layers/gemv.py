@@ -21,6 +21,14 @@ pass, no float atomics, and the result is the same from run to run.
 Which configuration, if any, beats cuBLAS is measured at startup for every distinct layer shape
 (`tune`), in CUDA graphs as decode replays them, separately for one row and for a few rows (two to
 SMALL_BATCH_ROWS): at four rows cuBLAS's tensor-core kernels often win back what they lose at one.
+
+At batch 1 the small ops between the projections cost more in launches than in work, and two of
+them can ride along with the GEMV's input loads (`_input_tile`), rounded as their own kernels round:
+
+    gate_up -> silu(gate) * up -> down_proj         down_proj's GEMV reads gate_up (silu_mul)
+    x, residual -> add+RMSNorm -> qkv_proj           the GEMV sums, normalizes and writes the new
+    x, residual -> add+RMSNorm -> gate_up_proj       residual (gemv_rms_norm), where tuning found
+                                                     that faster than the norm's own kernel
 """
 
 from __future__ import annotations
@@ -55,16 +63,55 @@ CANDIDATES = (
 )
 
 
+@triton.jit
+def _input_tile(
+    x_ptr, residual_ptr, residual_out_ptr, norm_ptr, r, ks, mask, k, stride_xm, stride_rm, inv_rms, owner,
+    SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    """Row r of the product's input over the K positions `ks`, in float32, rounded at each step as
+    the separate kernels round it (layers/fused.py): x, or silu(gate) * up, or the RMSNorm of x
+    (+ residual). With a residual, the program that owns it writes the new residual stream."""
+    x = tl.load(x_ptr + r * stride_xm + ks, mask=mask, other=0.0)
+    if SILU_MUL:  # x holds gate then up
+        g = x.to(tl.float32)
+        up = tl.load(x_ptr + r * stride_xm + k + ks, mask=mask, other=0.0).to(tl.float32)
+        x = ((g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32) * up).to(x.dtype)
+    if NORM:
+        if HAS_RESIDUAL:
+            s = x.to(tl.float32) + tl.load(residual_ptr + r * stride_rm + ks, mask=mask, other=0.0).to(tl.float32)
+            x = s.to(x.dtype)
+            if owner:
+                tl.store(residual_out_ptr + r * stride_rm + ks, x, mask=mask)
+        normed = (x.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32)
+        x = (normed * tl.load(norm_ptr + ks, mask=ks < k, other=0.0).to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["m"])
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr,
-    m, n, k, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, bias_ptr, y_ptr, residual_ptr, residual_out_ptr, norm_ptr,
+    m, n, k, stride_xm, stride_wn, stride_ym, stride_rm, eps,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr,
+    EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     rows = tl.arange(0, BLOCK_M)
+    inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:  # a first pass over each row for its RMS (x is a few KB: it comes from cache)
+        for r in tl.static_range(BLOCK_M):
+            sum_sq = 0.0
+            for k0 in range(0, k, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                mask = (ks < k) & (r < m)
+                x = tl.load(x_ptr + r * stride_xm + ks, mask=mask, other=0.0)
+                if HAS_RESIDUAL:
+                    s = x.to(tl.float32) + tl.load(residual_ptr + r * stride_rm + ks, mask=mask, other=0.0).to(tl.float32)
+                    x = s.to(x.dtype)
+                x = x.to(tl.float32)
+                sum_sq += tl.sum(x * x)
+            inv_rms = tl.where(rows == r, tl.rsqrt(sum_sq / k + eps), inv_rms)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -75,13 +122,10 @@ def _gemv_kernel(
             w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks[None, :] < k), other=0.0)
         w = w.to(tl.float32)
         for r in tl.static_range(BLOCK_M):
-            x_mask = (ks < k) & (r < m)
-            x = tl.load(x_ptr + r * stride_xm + ks, mask=x_mask, other=0.0)
-            if SILU_MUL:  # x holds gate then up: silu(gate) * up, rounded as silu_and_mul rounds it
-                g = x.to(tl.float32)
-                up = tl.load(x_ptr + r * stride_xm + k + ks, mask=x_mask, other=0.0).to(tl.float32)
-                x = ((g / (1.0 + tl.exp(-g))).to(x.dtype).to(tl.float32) * up).to(x.dtype)
-            x = x.to(tl.float32)
+            x = _input_tile(
+                x_ptr, residual_ptr, residual_out_ptr, norm_ptr, r, ks, (ks < k) & (r < m), k, stride_xm, stride_rm,
+                tl.sum(tl.where(rows == r, inv_rms, 0.0)), pid == 0, SILU_MUL, NORM, HAS_RESIDUAL,
+            )
             acc = tl.where(rows[:, None] == r, acc + tl.sum(w * x[None, :], axis=1)[None, :], acc)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -95,17 +139,37 @@ def gemv(
     """F.linear(x, weight, bias) for x of a few rows (each compiles its own power-of-two row count).
     silu_mul: x is (m, 2k), gate then up, and the product is with silu(gate) * up: the MLP's
     activation done as the down projection loads its input, one kernel fewer per layer."""
+    assert x.shape[1] == (2 * weight.shape[1] if silu_mul else weight.shape[1])
+    return _launch(x, weight, bias, config, silu_mul=silu_mul)
+
+
+def gemv_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    bias: torch.Tensor | None, config: GemvConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(F.linear(rms_norm(x + residual), weight, bias), x + residual) in one kernel: the layer's
+    norm done as its first projection loads its input. The new residual is a new tensor (every
+    program reads the old one while the first writes the sum); without a residual it is x."""
+    assert x.shape[1] == weight.shape[1] and (residual is None or residual.shape == x.shape)
+    residual_out = None if residual is None else torch.empty_like(residual)
+    y = _launch(x, weight, bias, config, residual=residual, residual_out=residual_out, norm=(norm_weight, eps))
+    return y, (x if residual is None else residual_out)
+
+
+def _launch(x, weight, bias, config, silu_mul=False, residual=None, residual_out=None, norm=None) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape
-    assert x.shape[1] == (2 * k if silu_mul else k)
     assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert residual is None or (residual.stride(-1) == 1 and residual.stride(0) == residual_out.stride(0))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    norm_weight, eps = norm if norm is not None else (weight, 0.0)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else weight, y,
-        m, n, k, x.stride(0), weight.stride(0), n,
+        residual if residual is not None else x, residual_out if residual_out is not None else x, norm_weight,
+        m, n, k, x.stride(0), weight.stride(0), n, residual.stride(0) if residual is not None else 0, eps,
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SILU_MUL=silu_mul, num_warps=config.num_warps,
-        num_stages=1,
+        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SILU_MUL=silu_mul, NORM=norm is not None,
+        HAS_RESIDUAL=residual is not None, num_warps=config.num_warps, num_stages=1,
     )
     return y
 
@@ -117,12 +181,18 @@ DTYPES = (torch.bfloat16, torch.float16)
 Timings = dict[tuple[int, GemvConfig | None], float]  # (rows, config or None for cuBLAS) -> seconds
 
 
-def tune(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[GemvConfig | None, GemvConfig | None]:
-    """The configurations this layer should use for one row and for a few rows (None: cuBLAS)."""
+def tune(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[GemvConfig | None, GemvConfig | None, bool]:
+    """The configurations this layer should use for one row and for a few rows (None: cuBLAS), and
+    whether, at one row, an RMSNorm before it should run inside its GEMV (`gemv_rms_norm`): only
+    where that measured faster than the norm's own kernel and then the GEMV."""
     if weight.dtype not in DTYPES:
-        return None, None
+        return None, None, False
     times = measure(weight, bias)
-    return choose(times, 1), choose(times, MAX_ROWS)
+    one_row = choose(times, 1)
+    if one_row is None:
+        return None, choose(times, MAX_ROWS), False
+    fused, separate = measure_norm_fusion(weight, bias, one_row)
+    return one_row, choose(times, MAX_ROWS), fused < separate
 
 
 # In decode a layer's weights come from memory, not from the L2 cache (50 MB on an H200): the other
@@ -149,6 +219,20 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Timings:
             except Exception as e:  # e.g. Triton's OutOfResources: an optimization is never fatal
                 logger.warning("GEMV %s does not run on this device: %s", config, e)
     return times
+
+
+def measure_norm_fusion(weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> tuple[float, float]:
+    """Seconds per call at one row of the add+RMSNorm inside the GEMV, and of the norm's own kernel
+    (layers/fused.py) followed by the GEMV."""
+    from ferry.layers.fused import rms_norm
+
+    copies = [weight] + [weight.clone() for _ in range(min(31, _COLD_BYTES // weight.nbytes))]
+    k = weight.shape[1]
+    x, residual = (torch.randn(1, k, device=weight.device, dtype=weight.dtype) for _ in range(2))
+    norm_weight = torch.ones(k, device=weight.device, dtype=weight.dtype)
+    fused = _graph_time(lambda w: gemv_rms_norm(x, residual, norm_weight, 1e-6, w, bias, config), copies)
+    separate = _graph_time(lambda w: gemv(rms_norm(x, norm_weight, 1e-6, residual), w, bias, config), copies)
+    return fused, separate
 
 
 def choose(times: Timings, rows: int, margin: float = 0.9) -> GemvConfig | None:

@@ -21,6 +21,7 @@ from torch import nn
 
 if TYPE_CHECKING:
     from ferry.layers.gemv import GemvConfig
+    from ferry.layers.norm import RMSNorm
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class Linear(nn.Linear):
     # rows (None: cuBLAS).
     gemv_one_row: GemvConfig | None = None
     gemv_few_rows: GemvConfig | None = None
+    gemv_fuses_norm = False  # at one row, forward_rms_norm normalizes inside the GEMV
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         config = self._gemv_config(x)
@@ -49,6 +51,20 @@ class Linear(nn.Linear):
         if config is not None:
             return _gemv().gemv(gate_up, self.weight, self.bias, config, silu_mul=True)
         return self(act(gate_up))
+
+    def forward_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(norm(x + residual)), x + residual), the pre-norm block's opening; x alone without a
+        residual. Where the startup timing found it faster (one row), the GEMV normalizes x as it
+        loads it, and the norm's kernel is saved."""
+        config = self._gemv_config(x)
+        if config is not None and self.gemv_fuses_norm and x.shape[0] == 1:
+            return _gemv().gemv_rms_norm(x, residual, norm.weight, norm.eps, self.weight, self.bias, config)
+        if residual is None:
+            return self(norm(x)), x
+        h, residual = norm(x, residual)
+        return self(h), residual
 
     def _gemv_config(self, x: torch.Tensor) -> GemvConfig | None:
         if x.dim() != 2 or x.shape[0] > SMALL_BATCH_ROWS:
@@ -68,7 +84,7 @@ def tune_small_batch(model: nn.Module) -> None:
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if not layers or layers[0].weight.device.type != "cuda":
         return
-    choices: dict[tuple, tuple[GemvConfig | None, GemvConfig | None]] = {}
+    choices: dict[tuple, tuple[GemvConfig | None, GemvConfig | None, bool]] = {}
     for layer in layers:
         key = (*layer.weight.shape, layer.weight.dtype, layer.bias is not None)
         if key not in choices:
@@ -77,11 +93,11 @@ def tune_small_batch(model: nn.Module) -> None:
                     choices[key] = _gemv().tune(layer.weight, layer.bias)
             except Exception as e:  # an optimization: cuBLAS serves every shape anyway
                 logger.warning("small-batch GEMV tuning failed for %s, using cuBLAS: %s", key, e)
-                choices[key] = (None, None)
-        layer.gemv_one_row, layer.gemv_few_rows = choices[key]
-    for key, (one, few) in choices.items():
-        logger.info("linear %s x %s: 1 row %s; 2-%d rows %s", key[0], key[1], _describe(one), SMALL_BATCH_ROWS,
-                    _describe(few))
+                choices[key] = (None, None, False)
+        layer.gemv_one_row, layer.gemv_few_rows, layer.gemv_fuses_norm = choices[key]
+    for key, (one, few, fuses_norm) in choices.items():
+        logger.info("linear %s x %s: 1 row %s%s; 2-%d rows %s", key[0], key[1], _describe(one),
+                    " (RMSNorm inside)" if fuses_norm else "", SMALL_BATCH_ROWS, _describe(few))
 
 
 def _describe(config: GemvConfig | None) -> str:

@@ -35,9 +35,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
 
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(num_tokens, hidden) -> q (num_tokens, num_heads, head_dim), k and v (num_tokens, num_kv_heads, head_dim)."""
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv_proj's output -> q (num_tokens, num_heads, head_dim), k and v (num_tokens, num_kv_heads, head_dim)."""
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))  # (num_tokens, num_heads, head_dim)
         k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # (num_tokens, num_kv_heads, head_dim)
         v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # (num_tokens, num_kv_heads, head_dim)
@@ -47,7 +47,11 @@ class LlamaAttention(nn.Module):
         return apply_rotary_qk(q, k, rope)
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.project_qkv(x)
+        return self.attend(self.qkv_proj(x), rope, ctx)
+
+    def attend(self, qkv: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+        """The block after its qkv projection: (num_tokens, q_size + 2 * kv_size) -> (num_tokens, hidden)."""
+        q, k, v = self.split_heads(qkv)
         q, k = self.rotate(q, k, rope)
         return self.o_proj(self.attn(q, k, v, ctx))
 
@@ -63,7 +67,11 @@ class LlamaMLP(nn.Module):
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_silu_and_mul(self.gate_up_proj(x), self.act_fn)
+        return self.down(self.gate_up_proj(x))
+
+    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The block after its gate/up projection."""
+        return self.down_proj.forward_silu_and_mul(gate_up, self.act_fn)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -81,13 +89,12 @@ class LlamaDecoderLayer(nn.Module):
         """The residual stream is carried apart from each block's output, so that the add joins the
         next norm: (block output, residual) in, the same out; the stream is their sum. The first
         layer gets the embeddings as x and no residual."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rope, ctx)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        # Each norm runs inside the projection that follows it where that projection's GEMV serves
+        # the batch (Linear.forward_rms_norm); otherwise as its own kernel, then the projection.
+        qkv, residual = self.self_attn.qkv_proj.forward_rms_norm(x, residual, self.input_layernorm)
+        h = self.self_attn.attend(qkv, rope, ctx)
+        gate_up, residual = self.mlp.gate_up_proj.forward_rms_norm(h, residual, self.post_attention_layernorm)
+        return self.mlp.down(gate_up), residual
 
 
 class LlamaModel(nn.Module):
