@@ -1,7 +1,7 @@
 """How much CPU the server spends per streamed token, with a stand-in engine that costs nothing.
 
     python -m ferry.bench.server_overhead [--step-ms 20] [--max-running 256] [--num-prompts 512]
-                                          [--output-len 128]
+                                          [--input-len 16] [--output-len 128]
 
 The real `ferry serve` app runs with a stand-in engine process that speaks the real channel: it
 takes requests, runs up to --max-running of them, and every --step-ms gives each running request
@@ -141,10 +141,12 @@ def _wait_ready(url: str, server: subprocess.Popen, timeout_s: float = 120.0) ->
     raise SystemExit(f"the server was not ready in {timeout_s} s")
 
 
-def _bench_serve(url: str, num_prompts: int, output_len: int, result: str, seed: int) -> subprocess.CompletedProcess:
+def _bench_serve(
+    url: str, num_prompts: int, input_len: int, output_len: int, result: str, seed: int,
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "ferry", "bench", "serve", "--base-url", url, "--prompt-token-ids", "--ignore-eos",
-         "--disable-tqdm", "--random-input-len", "16", "--random-output-len", str(output_len),
+         "--disable-tqdm", "--random-input-len", str(input_len), "--random-output-len", str(output_len),
          "--random-range-ratio", "0", "--request-rate", "inf", "--num-prompts", str(num_prompts),
          "--seed", str(seed), "--save-result", result],
         capture_output=True, text=True,
@@ -156,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--step-ms", type=float, default=20.0, help="the stand-in engine's step time")
     parser.add_argument("--max-running", type=int, default=256)
     parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--input-len", type=int, default=16, help="prompt tokens (sent as token ids)")
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server's own process
@@ -170,12 +173,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     try:
         _wait_ready(url, server)
-        warm = _bench_serve(url, 16, 8, os.devnull, seed=1)  # first requests pay one-time costs
+        warm = _bench_serve(url, 16, args.input_len, 8, os.devnull, seed=1)  # first requests pay one-time costs
         if warm.returncode != 0:
             raise SystemExit(f"ferry bench serve failed:\n{warm.stderr[-2000:]}")
         result_path = f"/tmp/ferry-server-overhead-{os.getpid()}.json"
         cpu_before, start = cpu_seconds(server.pid), time.monotonic()
-        run = _bench_serve(url, args.num_prompts, args.output_len, result_path, seed=0)
+        run = _bench_serve(url, args.num_prompts, args.input_len, args.output_len, result_path, seed=0)
         cpu_server, wall = cpu_seconds(server.pid) - cpu_before, time.monotonic() - start
         if run.returncode != 0:
             raise SystemExit(f"ferry bench serve failed:\n{run.stderr[-2000:]}")
@@ -188,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
     tokens = result["total_output_tokens"]
     ideal = args.max_running / (args.step_ms / 1000)
     print(f"stand-in engine: {args.max_running} running, a token each every {args.step_ms:g} ms "
-          f"({ideal:,.0f} tok/s); {args.num_prompts} requests of {args.output_len} tokens, all at once")
+          f"({ideal:,.0f} tok/s); {args.num_prompts} requests of {args.input_len} prompt and {args.output_len} "
+          "output tokens, all at once")
     print(f"  streamed {tokens:,} tokens in {result['duration']:.2f} s: {result['output_throughput']:,.0f} tok/s "
           f"({result['output_throughput'] / ideal:.1%} of the stand-in's rate), mean TPOT "
           f"{result['mean_tpot_ms']:.2f} ms")
