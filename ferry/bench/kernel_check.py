@@ -293,6 +293,17 @@ def compile_report() -> list[str]:
     for block_t, num_warps in ((1, 2), (16, 8)):
         consts = dict(ROW=1024, BLOCK_T=block_t, BLOCK_ROW=1024)
         lines.append(f"{f'store {block_t} tokens/program':26s}" + build(store_kv._store_kv_kernel, args, consts, num_warps, 1))
+    from ferry.layers import gemv
+
+    args = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "residual_ptr": "*bf16",
+            "residual_out_ptr": "*bf16", "norm_ptr": "*bf16", "m": "i32", "n": "i32", "k": "i32",
+            **strides("stride_xm", "stride_wn", "stride_ym", "stride_rm"), "eps": "fp32"}
+    for config in gemv.CANDIDATES:
+        for name, silu, norm in (("plain", False, False), ("silu*mul", True, False), ("add+norm", False, True)):
+            consts = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=True,
+                          SILU_MUL=silu, NORM=norm, HAS_RESIDUAL=norm)
+            label = f"gemv {config.block_n}x{config.block_k} {name}"
+            lines.append(f"{label:26s}" + build(gemv._gemv_kernel, args, consts, config.num_warps, 1))
     return lines
 
 
