@@ -1,7 +1,8 @@
 """Logging. Modules log through `logging.getLogger(__name__)`, under the "ferry" logger, which this
 module gives a handler on stderr at INFO (start-up facts: load time, KV cache size, the GEMV choices,
-graph capture). FERRY_LOGGING_LEVEL sets another level; FERRY_CONFIGURE_LOGGING=0 leaves the
-"ferry" logger to the application (no handler is added)."""
+graph capture). FERRY_LOGGING_LEVEL sets another level (a name or a number); FERRY_CONFIGURE_LOGGING=0,
+set before ferry is imported, leaves the "ferry" logger to the application: no handler, and its
+records propagate to the application's handlers as usual."""
 
 from __future__ import annotations
 
@@ -23,6 +24,13 @@ def configure_logging() -> None:
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%H:%M:%S"))
     handler._ferry = True  # type: ignore[attr-defined]
     root.addHandler(handler)
-    level = os.environ.get("FERRY_LOGGING_LEVEL", "INFO").upper()
-    root.setLevel(level if isinstance(logging.getLevelName(level), int) else logging.INFO)
+    root.setLevel(_level(os.environ.get("FERRY_LOGGING_LEVEL", "INFO")))
     root.propagate = False  # the application's root handlers would print each line twice
+
+
+def _level(name: str) -> int:
+    """A level by name (DEBUG, INFO, ...) or number; INFO for anything else."""
+    if name.strip().isdigit():
+        return int(name)
+    level = logging.getLevelName(name.strip().upper())
+    return level if isinstance(level, int) else logging.INFO

@@ -114,9 +114,6 @@ def test_tuning_chooses_per_shape_and_keeps_results():
     assert all(0 < times[rows, None] < 1e-3 for rows in (1, gemv.MAX_ROWS))  # cuBLAS, timed
     assert any(times[1, c] < float("inf") for c in gemv.CANDIDATES)  # the candidates run and agree
     tune_small_batch(model)
-    assert model[0].gemv_one_row == model[2].gemv_one_row  # one decision per shape
-    assert model[0].gemv_few_rows == model[2].gemv_few_rows
-    assert model[0].gemv_fuses_norm == model[2].gemv_fuses_norm
     fused, separate = gemv.measure_norm_fusion(model[0].weight, None, gemv.CANDIDATES[0])
     assert 0 < fused < 1e-3 and 0 < separate < 1e-3
     x = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16)
@@ -239,5 +236,34 @@ def test_the_norm_runs_inside_the_gemv_only_where_tuning_said_so(monkeypatch):
         y, residual = layer.forward_rms_norm(x[:rows], None, norm)
         tol = TOLERANCE[DTYPES[-1]]
         torch.testing.assert_close(y.float(), layer(norm(x[:rows])).float(), atol=tol, rtol=tol)
-        assert residual is x[:rows] or torch.equal(residual, x[:rows])
+        assert torch.equal(residual, x[:rows])
     assert calls == [1]  # fused for one row, once tuning chose it
+    residual = torch.randn(1, 64, device=DEVICE).to(DTYPES[-1])
+    expected_h, expected_residual = norm(x[:1], residual.clone())
+    y, new_residual = layer.forward_rms_norm(x[:1], residual, norm)
+    torch.testing.assert_close(y.float(), layer(expected_h).float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(new_residual.float(), expected_residual.float(), atol=0, rtol=tol / 2)
+    assert calls == [1, 1]
+
+
+def test_tuning_checks_every_variant_it_will_run(monkeypatch):
+    """A configuration whose GEMV (plain or with the activation's input) or norm fusion computes
+    something else is refused before any step can use it."""
+    weight, _ = _layer(24, 96, False, DTYPES[-1])
+    config = gemv.CANDIDATES[0]
+    assert gemv._variants_agree(weight, None, config, (1, 2, 3))
+    assert gemv._norm_fusion_agrees(weight, None, config)
+    assert gemv._variants_agree(weight, None, None, (1,))  # no configuration: nothing to check
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda x, *a, silu_mul=False: real(x, *a, silu_mul=silu_mul) * (1 + silu_mul))
+    assert not gemv._variants_agree(weight, None, config, (1,))  # the activation's variant is off
+    monkeypatch.setattr(gemv, "gemv", real)
+    real_norm = gemv.gemv_rms_norm
+    monkeypatch.setattr(gemv, "gemv_rms_norm", lambda *a: (real_norm(*a)[0] + 1, real_norm(*a)[1]))
+    assert not gemv._norm_fusion_agrees(weight, None, config)
+
+
+def test_empty_batches_take_the_usual_path():
+    layer = Linear(64, 48, bias=False).to(DEVICE, DTYPES[-1])
+    layer.gemv_one_row = layer.gemv_few_rows = gemv.CANDIDATES[0]
+    assert layer(torch.empty(0, 64, device=DEVICE, dtype=DTYPES[-1])).shape == (0, 48)

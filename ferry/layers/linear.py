@@ -67,7 +67,7 @@ class Linear(nn.Linear):
         return self(h), residual
 
     def _gemv_config(self, x: torch.Tensor) -> GemvConfig | None:
-        if x.dim() != 2 or x.shape[0] > SMALL_BATCH_ROWS:
+        if x.dim() != 2 or not 0 < x.shape[0] <= SMALL_BATCH_ROWS:
             return None
         return self.gemv_one_row if x.shape[0] == 1 else self.gemv_few_rows
 

@@ -67,13 +67,10 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"expected logits of shape ({len(rows)}, vocab), got {tuple(logits.shape)}")
         _check_generators(rows)
-        sampled = [i for i, row in enumerate(rows) if not row.greedy]
-        adjust = needs_adjusting(rows)
-        if not sampled and not adjust:
-            return logits.argmax(dim=-1)  # in the logits' dtype: widening to float32 is exact, same pick
         logits = logits.float()
-        if adjust:
+        if needs_adjusting(rows):
             logits = apply_suppression_(apply_penalties_(logits.clone(), rows), rows)
+        sampled = [i for i, row in enumerate(rows) if not row.greedy]
         if not sampled:
             return logits.argmax(dim=-1)
         if len(sampled) == len(rows):
