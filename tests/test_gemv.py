@@ -95,6 +95,16 @@ def test_choice_needs_a_clear_win_over_cublas():
     assert gemv.choose(_timings(1, 10, (inf, inf, inf, *others)), 1) is None  # none ran
 
 
+def test_the_fastest_path_must_win_clearly():
+    a, b, *_ = gemv.CANDIDATES
+    # cuBLAS after the op's kernel takes 10; the GEMV after it 8.5, with the op inside 7.
+    assert gemv.fastest_path({(None, False): 10, (a, False): 8.5, (a, True): 7, (b, False): 9.5}) == (a, True)
+    assert gemv.fastest_path({(None, False): 10, (a, False): 8.5, (b, True): 9.5}) == (a, False)
+    assert gemv.fastest_path({(None, False): 10, (a, False): 9.5, (a, True): 9.2}) == (None, False)  # noise
+    assert gemv.fastest_path({(None, False): 10}) == (None, False)  # no candidate ran
+    assert gemv.fastest_path({(a, True): 1}) == (None, False)  # nothing to compare with: keep cuBLAS
+
+
 def test_float32_layers_keep_cublas():
     weight = torch.zeros(8, 8)  # no timing happens: the dtype decides
     assert gemv.tune(weight, None) == (None, None, False)
@@ -114,8 +124,12 @@ def test_tuning_chooses_per_shape_and_keeps_results():
     assert all(0 < times[rows, None] < 1e-3 for rows in (1, gemv.MAX_ROWS))  # cuBLAS, timed
     assert any(times[1, c] < float("inf") for c in gemv.CANDIDATES)  # the candidates run and agree
     tune_small_batch(model)
-    fused, separate = gemv.measure_norm_fusion(model[0].weight, None, gemv.CANDIDATES[0])
-    assert 0 < fused < 1e-3 and 0 < separate < 1e-3
+    copies = gemv.cold_copies(model[0].weight)
+    paths = gemv.path_times(model[0].weight, None, "rms_norm", 1, copies)
+    assert 0 < paths[None, False] < 1e-3  # the norm's kernel, then cuBLAS
+    assert all((c, True) in paths and (c, False) in paths for c in gemv.CANDIDATES)  # inside, and after
+    paths = gemv.path_times(model[0].weight, None, "rms_norm", gemv.MAX_ROWS, copies)
+    assert not any(inside for _, inside in paths)  # the norm goes inside at one row only
     x = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16)
     torch.testing.assert_close(model[0](x).float(), torch.nn.functional.linear(x, model[0].weight).float(),
                                atol=2e-2, rtol=2e-2)

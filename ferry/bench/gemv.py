@@ -1,6 +1,7 @@
 """Time the small-batch linear layers of the benchmark models: cuBLAS against every GEMV candidate
-(ferry/layers/gemv.py), as the startup tuning measures them, with the bandwidth each achieves, and
-the add+RMSNorm inside the GEMV against the norm's own kernel before it.
+(ferry/layers/gemv.py), with the bandwidth each achieves; then, for the layers fed by a small op
+(RMSNorm, SiLU-and-mul), the paths the startup tuning chooses among: the op's kernel then cuBLAS,
+the op's kernel then the GEMV, or the GEMV with the op inside.
 
     python -m ferry.bench.gemv        # CUDA only: Qwen3-0.6B's and Llama-3.1-8B's layer shapes
 
@@ -24,20 +25,25 @@ from ferry.layers.gemv import GemvConfig
 MODELS = ("qwen3-0.6b", "llama-3.1-8b")
 
 
-def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """name -> (out_features, in_features) of one decoder layer's linear layers."""
+def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, int, str | None]]:
+    """name -> (out_features, in_features, the op that feeds it) of one decoder layer's linear layers."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     hidden, intermediate = config.hf_config["hidden_size"], config.hf_config["intermediate_size"]
     return {
-        "qkv_proj": (q + 2 * kv, hidden),
-        "o_proj": (hidden, q),
-        "gate_up_proj": (2 * intermediate, hidden),
-        "down_proj": (hidden, intermediate),
+        "qkv_proj": (q + 2 * kv, hidden, "rms_norm"),
+        "o_proj": (hidden, q, None),
+        "gate_up_proj": (2 * intermediate, hidden, "rms_norm"),
+        "down_proj": (hidden, intermediate, "silu_and_mul"),
     }
 
 
 def _name(config: GemvConfig | None) -> str:
     return "cuBLAS" if config is None else f"GEMV {config.block_n}x{config.block_k}, {config.num_warps} warps"
+
+
+def _path(key: tuple[GemvConfig | None, bool]) -> str:
+    config, inside = key
+    return _name(config) + (" (norm inside)" if inside else "")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,14 +56,12 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.3f} TB/s")
     for model in MODELS:
         config = ModelConfig.from_pretrained(BENCHMARKS / model, "bfloat16", None, "dummy")
-        for name, (n, k) in layer_shapes(config).items():
+        for name, (n, k, input_op) in layer_shapes(config).items():
             weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
             with torch.inference_mode():
                 times = gemv.measure(weight, None)
             floor = weight.nbytes / bandwidth
-            print(f"\n{model} {name} {n} x {k} ({weight.nbytes / 1e6:.1f} MB, floor {floor * 1e6:.2f} us); "
-                  f"chosen: {_name(gemv.choose(times, 1))} at 1 row, "
-                  f"{_name(gemv.choose(times, gemv.MAX_ROWS))} at {gemv.MAX_ROWS}")
+            print(f"\n{model} {name} {n} x {k} ({weight.nbytes / 1e6:.1f} MB, floor {floor * 1e6:.2f} us)")
             for rows in (1, gemv.MAX_ROWS):
                 ranked = sorted((t, c is None, _name(c)) for (r, c), t in times.items() if r == rows)
                 cublas = times[rows, None]
@@ -65,11 +69,16 @@ def main(argv: list[str] | None = None) -> None:
                 for t, _, label in shown:
                     print(f"  rows {rows}  {label:<28} {t * 1e6:7.2f} us  {floor / t:6.1%} of floor  "
                           f"{cublas / t:5.2f}x cuBLAS")
-            best = min(gemv.CANDIDATES, key=lambda c: times[1, c])
-            with torch.inference_mode():
-                fused, separate = gemv.measure_norm_fusion(weight, None, best)
-            print(f"  rows 1  add+RMSNorm inside {_name(best)}: {fused * 1e6:.2f} us; "
-                  f"the norm's kernel, then the GEMV: {separate * 1e6:.2f} us")
+            if input_op is not None:  # the layer as the model runs it, with the op that feeds it
+                copies = gemv.cold_copies(weight)
+                for rows in (1, gemv.MAX_ROWS):
+                    with torch.inference_mode():
+                        paths = gemv.path_times(weight, None, input_op, rows, copies)
+                    chosen = gemv.fastest_path(paths)
+                    best = min((key for key in paths if key[0] is not None), key=paths.__getitem__)
+                    print(f"  rows {rows}  with {input_op}: its kernel + cuBLAS {paths[None, False] * 1e6:.2f} us; "
+                          f"best GEMV path {_path(best)} {paths[best] * 1e6:.2f} us; chosen: {_path(chosen)}")
+                del copies
             del weight
 
 

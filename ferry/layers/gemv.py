@@ -21,6 +21,7 @@ pass, no float atomics, and the result is the same from run to run.
 Which configuration, if any, beats cuBLAS is measured at startup for every distinct layer shape
 (`tune`), in CUDA graphs as decode replays them, separately for one row and for a few rows (two to
 SMALL_BATCH_ROWS): at four rows cuBLAS's tensor-core kernels often win back what they lose at one.
+A layer fed by a small op is timed together with it, as the model runs it (`path_times`).
 
 At decode batch sizes the small ops between the projections cost more in launches than in work,
 and two of them can ride along with the GEMV's input loads (`_input_tile`), rounded as their own
@@ -28,8 +29,10 @@ kernels round (the activation wherever the GEMV serves a batch, the norm at one 
 
     gate_up -> silu(gate) * up -> down_proj         down_proj's GEMV reads gate_up (silu_mul)
     x, residual -> add+RMSNorm -> qkv_proj           the GEMV sums, normalizes and writes the new
-    x, residual -> add+RMSNorm -> gate_up_proj       residual (gemv_rms_norm), where tuning found
-                                                     that faster than the norm's own kernel
+    x, residual -> add+RMSNorm -> gate_up_proj       residual (gemv_rms_norm)
+
+So cuBLAS for Llama-3.1-8B's gate_up_proj (within 4% of this kernel alone) can still lose to the GEMV
+once the norm's kernel is counted on cuBLAS's side.
 """
 
 from __future__ import annotations
@@ -182,28 +185,81 @@ DTYPES = (torch.bfloat16, torch.float16)
 Timings = dict[tuple[int, GemvConfig | None], float]  # (rows, config or None for cuBLAS) -> seconds
 
 
-def tune(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[GemvConfig | None, GemvConfig | None, bool]:
+# The small op that may feed a layer, which its GEMV can take in (Linear.input_op).
+INPUT_OPS = (None, "rms_norm", "silu_and_mul")
+
+
+def tune(
+    weight: torch.Tensor, bias: torch.Tensor | None, input_op: str | None = None,
+) -> tuple[GemvConfig | None, GemvConfig | None, bool]:
     """The configurations this layer should use for one row and for a few rows (None: cuBLAS), and
-    whether, at one row, an RMSNorm before it should run inside its GEMV (`gemv_rms_norm`): only
-    where that measured faster than the norm's own kernel and then the GEMV."""
+    whether at one row its RMSNorm runs inside the GEMV. Each is the fastest way to run the layer
+    together with the op that feeds it (`input_op`), as the model runs it: cuBLAS after the op's own
+    kernel, or the GEMV after it, or the GEMV with the op inside (`path_times`)."""
     if weight.dtype not in DTYPES:
         return None, None, False
-    times = measure(weight, bias)
+    copies = cold_copies(weight)
+    one_row, fuses_norm = fastest_path(path_times(weight, bias, input_op, 1, copies))
+    few_rows, _ = fastest_path(path_times(weight, bias, input_op, MAX_ROWS, copies))
     # Every variant a chosen configuration will run is built and checked here, where a failure
     # only costs the optimization, not in the middle of a graph capture or a step.
-    one_row = choose(times, 1) if _variants_agree(weight, bias, choose(times, 1), (1,)) else None
-    few_rows = choose(times, MAX_ROWS) if _variants_agree(weight, bias, choose(times, MAX_ROWS), (2, 3, 4)) else None
-    if one_row is None:
-        return None, few_rows, False
-    try:
-        fuses_norm = _norm_fusion_agrees(weight, bias, one_row)
-        if fuses_norm:
-            fused, separate = measure_norm_fusion(weight, bias, one_row)
-            fuses_norm = fused <= 0.95 * separate  # a clear win, not noise
-    except Exception as e:  # the plain GEMV stays: only the fusion is given up
-        logger.warning("GEMV with the RMSNorm inside does not run on this device: %s", e)
+    if not _variants_agree(weight, bias, one_row, (1,)):
+        one_row, fuses_norm = None, False
+    if not _variants_agree(weight, bias, few_rows, (2, 3, 4)):
+        few_rows = None
+    if fuses_norm and not _norm_fusion_agrees(weight, bias, one_row):
         fuses_norm = False
     return one_row, few_rows, fuses_norm
+
+
+PathTimes = dict[tuple[GemvConfig | None, bool], float]  # (config or None for cuBLAS, op inside) -> s
+
+
+def path_times(
+    weight: torch.Tensor, bias: torch.Tensor | None, input_op: str | None, rows: int, copies: list[torch.Tensor],
+) -> PathTimes:
+    """Seconds per call, replayed from CUDA graphs, of the layer with its input op at `rows` rows:
+    (None, False) cuBLAS after the op's kernel; (config, False) the GEMV after it, or with SiLU-and-mul
+    inside (the only way a GEMV runs that op); (config, True) at one row, the GEMV with the RMSNorm
+    inside. A candidate that fails to run is left out."""
+    from ferry.layers.fused import rms_norm, silu_and_mul
+
+    k, dtype, device = weight.shape[1], weight.dtype, weight.device
+    linear = torch.nn.functional.linear
+    x = torch.randn(rows, 2 * k if input_op == "silu_and_mul" else k, device=device, dtype=dtype)
+    residual = torch.randn(rows, k, device=device, dtype=dtype)
+    norm_weight = torch.ones(k, device=device, dtype=dtype)
+
+    def op(x):
+        if input_op == "rms_norm":
+            return rms_norm(x, norm_weight, 1e-6, residual)
+        return silu_and_mul(x) if input_op == "silu_and_mul" else x
+
+    paths = {(None, False): lambda w: linear(op(x), w, bias)}
+    for config in CANDIDATES:
+        if input_op == "silu_and_mul":
+            paths[config, False] = lambda w, c=config: gemv(x, w, bias, c, silu_mul=True)
+        else:
+            paths[config, False] = lambda w, c=config: gemv(op(x), w, bias, c)
+        if input_op == "rms_norm" and rows == 1:
+            paths[config, True] = lambda w, c=config: gemv_rms_norm(x, residual, norm_weight, 1e-6, w, bias, c)
+    times: PathTimes = {}
+    for key, fn in paths.items():
+        try:
+            times[key] = _graph_time(fn, copies)
+        except Exception as e:  # e.g. Triton's OutOfResources: an optimization is never fatal
+            logger.warning("GEMV path %s does not run on this device: %s", key, e)
+    return times
+
+
+def fastest_path(times: PathTimes, margin: float = 0.9) -> tuple[GemvConfig | None, bool]:
+    """The fastest GEMV path if it takes at most `margin` of the cuBLAS path's time (a clear win,
+    not noise), else cuBLAS: (config, op inside) or (None, False)."""
+    gemv_paths = [key for key in times if key[0] is not None]
+    if not gemv_paths or (None, False) not in times:
+        return None, False
+    best = min(gemv_paths, key=times.__getitem__)
+    return best if times[best] <= margin * times[None, False] else (None, False)
 
 
 def _variants_agree(weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None, rows: tuple) -> bool:
@@ -251,10 +307,15 @@ def _norm_fusion_agrees(weight: torch.Tensor, bias: torch.Tensor | None, config:
 _COLD_BYTES = 128 << 20
 
 
+def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
+    return [weight] + [weight.clone() for _ in range(min(31, _COLD_BYTES // weight.nbytes))]
+
+
 def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Timings:
-    """Seconds per call of cuBLAS and of every candidate, at 1 and MAX_ROWS rows, replayed from CUDA
-    graphs; inf for a candidate that does not run here or computes something else."""
-    copies = [weight] + [weight.clone() for _ in range(min(31, _COLD_BYTES // weight.nbytes))]
+    """Seconds per call of cuBLAS and of every candidate, the plain layer at 1 and MAX_ROWS rows,
+    replayed from CUDA graphs; inf for a candidate that does not run here or computes something else
+    (`python -m ferry.bench.gemv` prints them)."""
+    copies = cold_copies(weight)
     times: Timings = {}
     for rows in (1, MAX_ROWS):
         x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
@@ -269,20 +330,6 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Timings:
             except Exception as e:  # e.g. Triton's OutOfResources: an optimization is never fatal
                 logger.warning("GEMV %s does not run on this device: %s", config, e)
     return times
-
-
-def measure_norm_fusion(weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> tuple[float, float]:
-    """Seconds per call at one row of the add+RMSNorm inside the GEMV, and of the norm's own kernel
-    (layers/fused.py) followed by the GEMV."""
-    from ferry.layers.fused import rms_norm
-
-    copies = [weight] + [weight.clone() for _ in range(min(31, _COLD_BYTES // weight.nbytes))]
-    k = weight.shape[1]
-    x, residual = (torch.randn(1, k, device=weight.device, dtype=weight.dtype) for _ in range(2))
-    norm_weight = torch.ones(k, device=weight.device, dtype=weight.dtype)
-    fused = _graph_time(lambda w: gemv_rms_norm(x, residual, norm_weight, 1e-6, w, bias, config), copies)
-    separate = _graph_time(lambda w: gemv(rms_norm(x, norm_weight, 1e-6, residual), w, bias, config), copies)
-    return fused, separate
 
 
 def choose(times: Timings, rows: int, margin: float = 0.9) -> GemvConfig | None:

@@ -37,6 +37,9 @@ class Linear(nn.Linear):
     gemv_one_row: GemvConfig | None = None
     gemv_few_rows: GemvConfig | None = None
     gemv_fuses_norm = False  # at one row, forward_rms_norm normalizes inside the GEMV
+    # The small op that feeds this layer in the model ("rms_norm": forward_rms_norm, "silu_and_mul":
+    # forward_silu_and_mul), set by the model: tuning times the layer together with it.
+    input_op: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         config = self._gemv_config(x)
@@ -86,17 +89,18 @@ def tune_small_batch(model: nn.Module) -> None:
         return
     choices: dict[tuple, tuple[GemvConfig | None, GemvConfig | None, bool]] = {}
     for layer in layers:
-        key = (*layer.weight.shape, layer.weight.dtype, layer.bias is not None)
+        key = (*layer.weight.shape, layer.weight.dtype, layer.bias is not None, layer.input_op)
         if key not in choices:
             try:
                 with torch.inference_mode():
-                    choices[key] = _gemv().tune(layer.weight, layer.bias)
+                    choices[key] = _gemv().tune(layer.weight, layer.bias, layer.input_op)
             except Exception as e:  # an optimization: cuBLAS serves every shape anyway
                 logger.warning("small-batch GEMV tuning failed for %s, using cuBLAS: %s", key, e)
                 choices[key] = (None, None, False)
         layer.gemv_one_row, layer.gemv_few_rows, layer.gemv_fuses_norm = choices[key]
     for key, (one, few, fuses_norm) in choices.items():
-        logger.info("linear %s x %s: 1 row %s%s; 2-%d rows %s", key[0], key[1], _describe(one),
+        after = f" after {key[4]}" if key[4] else ""
+        logger.info("linear %s x %s%s: 1 row %s%s; 2-%d rows %s", key[0], key[1], after, _describe(one),
                     " (RMSNorm inside)" if fuses_norm else "", SMALL_BATCH_ROWS, _describe(few))
 
 

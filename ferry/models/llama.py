@@ -32,6 +32,7 @@ class LlamaAttention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         sizes = {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}
         self.qkv_proj = MergedLinear(hidden_size, sizes, bias=qkv_bias)
+        self.qkv_proj.input_op = "rms_norm"  # the decoder layer opens the block with forward_rms_norm
         self.o_proj = Linear(q_size, hidden_size, bias=o_bias)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx)
 
@@ -63,7 +64,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         sizes = {"gate_proj": intermediate_size, "up_proj": intermediate_size}
         self.gate_up_proj = MergedLinear(hidden_size, sizes, bias=bias)
+        self.gate_up_proj.input_op = "rms_norm"
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj.input_op = "silu_and_mul"
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
