@@ -92,6 +92,12 @@ step() {  # the time limit in seconds of one step, and its command
     kernel_tests) echo 300 python3 -m pytest -q -x tests/test_triton_kernels.py ;;
     graph_tests) echo 200 python3 -m pytest -q -rs tests/test_cuda_graph.py ;;
     kernel_check) echo 180 python3 -m ferry.bench.kernel_check ;;
+    gemv_tests) echo 200 python3 -m pytest -q -x tests/test_gemv.py tests/test_fused_ops.py ;;
+    gemv_paths) echo 150 python3 -m ferry.bench.gemv ;;
+    profile_qwen3) echo 60 python3 -m ferry.bench.step_profile --config-dir $qwen --dtype bfloat16 --device cuda \
+      --top 16 $fa ;;
+    profile_llama8b) echo 90 python3 -m ferry.bench.step_profile --config-dir $llama --dtype bfloat16 --device cuda \
+      --max-model-len 16384 --top 16 $fa ;;
     throughput_qwen3) echo 150 python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda \
       --no-enforce-eager $fa --num-prompts 256 --input-len 100 1024 --output-len 512 --seed 0 --json "$logs/$name.json" ;;
     throughput_nanovllm) echo 150 python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda \
