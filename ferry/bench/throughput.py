@@ -27,6 +27,7 @@ from ferry.bench.roofline import (
     ModelCost, RecordedStep, ScheduleRecorder, add_hardware_args, hardware_from_args, paging_waste, step_bound,
 )
 from ferry.cli import add_engine_args, engine_kwargs
+from ferry.gc_settings import quiet_gc
 
 MAX_TOKEN_ID = 10000  # random prompt ids are drawn from [0, 10000], as nano-vllm and the baseline do
 
@@ -67,7 +68,9 @@ def setup(args: argparse.Namespace) -> tuple:
     resolve_model_args(args)
     config = make_engine_config(args.model, **engine_kwargs(args))
     hw = hardware_from_args(args, args.device, config.model.dtype)
-    return LLMEngine.from_config(config), hw, ModelCost.from_model_config(config.model)
+    engine = LLMEngine.from_config(config)
+    quiet_gc()  # as the server's engine process does (gc_settings.py), so the two compare
+    return engine, hw, ModelCost.from_model_config(config.model)
 
 
 def length_range(values: list[int], name: str) -> tuple[int, int]:

@@ -35,6 +35,7 @@ from ferry.engine.messages import (
     HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, Message,
     RequestFailed, Shutdown, StepOutputs, decode, encode, frame_length,
 )
+from ferry.gc_settings import quiet_gc
 from ferry.metrics.tracing import RequestTrace, RequestTracer
 from ferry.outputs import RequestOutput
 
@@ -58,6 +59,7 @@ def run_engine_process(
         finished_traces: list[RequestTrace] = []
         tracer = RequestTracer(finished_traces.append) if trace else None
         engine = LLMEngine.from_config(make_engine_config(model, **engine_kwargs), tracer)
+        quiet_gc()
         EngineLoop(engine, channel, finished_traces).run()
     except BaseException:
         _report_failure(channel)

@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ferry import __version__
 from ferry.engine.async_engine import AsyncEngine
 from ferry.engine.messages import EngineStats
+from ferry.gc_settings import quiet_gc
 from ferry.server.admission import Admission
 from ferry.server.arrival import ArrivalTimeMiddleware, arrival_time
 from ferry.server.auth import ApiKeyMiddleware
@@ -106,6 +107,7 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
     async def lifespan(app: FastAPI):
         engine = await start_engine()
         state.attach(engine)
+        quiet_gc()  # start-up is over: what lives now lives as long as the server
         flusher = asyncio.create_task(state.traces.flush_periodically()) if state.traces is not None else None
         try:
             yield
