@@ -18,6 +18,7 @@ sends the traces of the requests that finish, and `trace_sink` gets them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import socket
 from collections import deque
@@ -36,6 +37,8 @@ from ferry.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from ferry.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -152,8 +155,11 @@ class AsyncEngine:
         process = self._process
         await asyncio.to_thread(process.join, timeout_s)
         if process.is_alive():
+            logger.warning("the engine process did not stop in %.0f s: killing it", timeout_s)
             process.kill()
             await asyncio.to_thread(process.join, 5.0)
+        elif process.exitcode != 0:
+            logger.warning("the engine process exited with code %s", process.exitcode)
         self._read_task.cancel()
 
     # ---- the channel ----

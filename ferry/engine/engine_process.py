@@ -22,6 +22,7 @@ the machine. If the engine fails, it says why (`EngineFailed`) and the process e
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import signal
@@ -63,7 +64,19 @@ def run_engine_process(
         EngineLoop(engine, channel, finished_traces).run()
     except BaseException:
         _report_failure(channel)
-        sys.exit(1)
+        _exit(1)
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """End the process now that everything is sent: flushed, but without the interpreter's teardown.
+    Its C++ side (torch's thread pools, with the channel's reader thread still blocked in recv)
+    could abort there with "terminate called without an active exception", and exit code -6 for
+    an engine that stopped cleanly."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def default_threads(device: str) -> int | None:
