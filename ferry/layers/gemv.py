@@ -185,10 +185,6 @@ DTYPES = (torch.bfloat16, torch.float16)
 Timings = dict[tuple[int, GemvConfig | None], float]  # (rows, config or None for cuBLAS) -> seconds
 
 
-# The small op that may feed a layer, which its GEMV can take in (Linear.input_op).
-INPUT_OPS = (None, "rms_norm", "silu_and_mul")
-
-
 def tune(
     weight: torch.Tensor, bias: torch.Tensor | None, input_op: str | None = None,
 ) -> tuple[GemvConfig | None, GemvConfig | None, bool]:
