@@ -7,6 +7,8 @@ value gets a 400 naming its field before anything reaches the engine.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from json.encoder import encode_basestring  # JSON string syntax, non-ASCII kept as is (as pydantic writes it)
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer
@@ -134,6 +136,42 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+
+
+@dataclass(slots=True)
+class TextDelta:
+    """One chunk of one completion choice without logprobs: what a completion stream sends for nearly
+    every token. Its JSON is CompletionResponse's, written by hand around a head made once per
+    request; validating and dumping two pydantic models per token cost a tenth of the server's CPU."""
+
+    head: bytes  # completion_head(): the chunk up to the choice's index
+    index: int
+    text: str
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def json(self, include_usage: bool) -> bytes:
+        return b"".join((
+            self.head, str(self.index).encode(), b',"text":', encode_basestring(self.text).encode(),
+            b',"logprobs":null,"finish_reason":', _json_value(self.finish_reason),
+            b',"stop_reason":', _json_value(self.stop_reason),
+            b'}],"usage":null}' if include_usage else b"}]}",
+        ))
+
+    def choice(self) -> CompletionChoice:
+        return CompletionChoice(index=self.index, text=self.text, logprobs=None, finish_reason=self.finish_reason,
+                                stop_reason=self.stop_reason)
+
+
+def completion_head(request_id: str, created: int, model: str) -> bytes:
+    return (f'{{"id":{encode_basestring(request_id)},"object":"text_completion","created":{created},'
+            f'"model":{encode_basestring(model)},"choices":[{{"index":').encode()
+
+
+def _json_value(value: int | str | None) -> bytes:
+    if value is None:
+        return b"null"
+    return (str(value) if isinstance(value, int) else encode_basestring(value)).encode()
 
 
 class TopLogprob(BaseModel):

@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from ferry.engine.async_engine import EngineDeadError, RequestAborted, RequestRejected
 from ferry.server.errors import ApiError, bad_request
+from ferry.server.protocol import TextDelta
 
 T = TypeVar("T")
 DONE = b"data: [DONE]\n\n"
@@ -39,7 +40,7 @@ def api_error(error: Exception) -> ApiError | None:
     return None
 
 
-async def sse_events(chunks: AsyncIterator[BaseModel], include_usage: bool) -> AsyncIterator[bytes]:
+async def sse_events(chunks: AsyncIterator[BaseModel | TextDelta], include_usage: bool) -> AsyncIterator[bytes]:
     """`data: {json}\\n\\n` per chunk, then `data: [DONE]`. Without include_usage the chunks carry no
     `usage` key at all; with it, `usage: null` until the final usage chunk (as OpenAI does). An
     error after the stream has begun becomes one `data: {"error": ...}` event."""
@@ -47,7 +48,9 @@ async def sse_events(chunks: AsyncIterator[BaseModel], include_usage: bool) -> A
     try:
         async with aclosing(chunks):
             async for chunk in chunks:
-                yield b"data: " + chunk.model_dump_json(exclude=exclude).encode() + b"\n\n"
+                body = chunk.json(include_usage) if isinstance(chunk, TextDelta) else \
+                    chunk.model_dump_json(exclude=exclude).encode()
+                yield b"data: " + body + b"\n\n"
     except Exception as e:
         error = api_error(e)
         if error is None:
