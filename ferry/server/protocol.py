@@ -140,38 +140,54 @@ class CompletionResponse(BaseModel):
 
 @dataclass(slots=True)
 class TextDelta:
-    """One chunk of one completion choice without logprobs: what a completion stream sends for nearly
-    every token. Its JSON is CompletionResponse's, written by hand around a head made once per
-    request; validating and dumping two pydantic models per token cost a tenth of the server's CPU."""
+    """One chunk of one choice without logprobs, of a completion or a chat stream: what a stream
+    sends for nearly every token. Its JSON is that of CompletionResponse (or ChatCompletionChunk),
+    written by hand around a head made once per request (`stream_head`): validating and dumping the
+    pydantic models per token cost a fifth of the server's CPU."""
 
-    head: bytes  # completion_head(): the chunk up to the choice's index
+    head: bytes  # stream_head(): the chunk up to the choice's index
     index: int
     text: str
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    chat: bool = False  # a chat delta ({"content": ...}), else a completion's "text"
 
     def json(self, include_usage: bool) -> bytes:
+        if self.chat:  # a delta carries only what changed: no content key for no text
+            body = b',"delta":{"content":' + _json_str(self.text) + b"}" if self.text else b',"delta":{}'
+        else:
+            body = b',"text":' + _json_str(self.text)
         return b"".join((
-            self.head, str(self.index).encode(), b',"text":', encode_basestring(self.text).encode(),
+            self.head, str(self.index).encode(), body,
             b',"logprobs":null,"finish_reason":', _json_value(self.finish_reason),
             b',"stop_reason":', _json_value(self.stop_reason),
             b'}],"usage":null}' if include_usage else b"}]}",
         ))
 
-    def choice(self) -> CompletionChoice:
+    def choice(self) -> CompletionChoice | ChatCompletionStreamChoice:
+        """The same chunk's choice as the pydantic model (for folding a stream into one reply)."""
+        if self.chat:
+            return ChatCompletionStreamChoice(index=self.index, delta=DeltaMessage(content=self.text or None),
+                                              logprobs=None, finish_reason=self.finish_reason,
+                                              stop_reason=self.stop_reason)
         return CompletionChoice(index=self.index, text=self.text, logprobs=None, finish_reason=self.finish_reason,
                                 stop_reason=self.stop_reason)
 
 
-def completion_head(request_id: str, created: int, model: str) -> bytes:
-    return (f'{{"id":{encode_basestring(request_id)},"object":"text_completion","created":{created},'
+def stream_head(request_id: str, created: int, model: str, chat: bool = False) -> bytes:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return (f'{{"id":{encode_basestring(request_id)},"object":"{kind}","created":{created},'
             f'"model":{encode_basestring(model)},"choices":[{{"index":').encode()
+
+
+def _json_str(text: str) -> bytes:
+    return encode_basestring(text).encode()
 
 
 def _json_value(value: int | str | None) -> bytes:
     if value is None:
         return b"null"
-    return (str(value) if isinstance(value, int) else encode_basestring(value)).encode()
+    return str(value).encode() if isinstance(value, int) else _json_str(value)
 
 
 class TopLogprob(BaseModel):

@@ -32,7 +32,7 @@ from ferry.server.preprocess import (
 )
 from ferry.server.protocol import (
     CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, TextDelta, UsageInfo,
-    completion_head,
+    stream_head,
 )
 
 
@@ -58,7 +58,7 @@ class CompletionPlan:
     @cached_property
     def head(self) -> bytes:
         """The JSON of this request's chunks up to the choice's index (TextDelta)."""
-        return completion_head(self.request_id, self.created, self.model)
+        return stream_head(self.request_id, self.created, self.model)
 
 
 class CompletionServing:
