@@ -281,3 +281,14 @@ def test_empty_batches_take_the_usual_path():
     layer = Linear(64, 48, bias=False).to(DEVICE, DTYPES[-1])
     layer.gemv_one_row = layer.gemv_few_rows = gemv.CANDIDATES[0]
     assert layer(torch.empty(0, 64, device=DEVICE, dtype=DTYPES[-1])).shape == (0, 48)
+
+
+def test_a_path_that_fails_its_check_gives_way_to_the_next_fastest(monkeypatch):
+    a, b, c, *_ = gemv.CANDIDATES
+    weight, _ = _layer(24, 96, False, DTYPES[-1])
+    times = {(None, False): 10, (a, True): 5, (a, False): 8.5, (b, False): 6, (c, False): 9.8}
+    monkeypatch.setattr(gemv, "_norm_fusion_agrees", lambda *args: False)  # a's norm inside is wrong
+    monkeypatch.setattr(gemv, "_variants_agree", lambda w, bias, config, rows: config != b)  # b is wrong
+    assert gemv._fastest_that_agrees(weight, None, times, (1,)) == (a, False)
+    monkeypatch.setattr(gemv, "_variants_agree", lambda w, bias, config, rows: False)
+    assert gemv._fastest_that_agrees(weight, None, times, (1,)) == (None, False)  # cuBLAS, after all

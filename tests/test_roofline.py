@@ -168,7 +168,7 @@ CEILINGS = ["--peak-tflops", "0.1", "--bandwidth-tbps", "0.02", "--device", "cpu
 
 def test_throughput_end_to_end(tmp_path):
     out = tmp_path / "throughput.json"
-    throughput.main(["--num-prompts", "3", "--input-len", "5", "40", "--output-len", "4",
+    throughput.main(["--no-quiet-gc", "--num-prompts", "3", "--input-len", "5", "40", "--output-len", "4",
                      "--num-warmup-prompts", "1", "--json", str(out), *CEILINGS])
     r = json.loads(out.read_text())
     assert r["output_tokens"] == r["expected_output_tokens"] == 12
@@ -181,7 +181,7 @@ def test_throughput_end_to_end(tmp_path):
 @pytest.mark.parametrize("scheduling", [[], ["--async-scheduling"]], ids=["sync", "async"])
 def test_latency_end_to_end(tmp_path, scheduling):
     out = tmp_path / "latency.json"
-    latency.main(["--input-len", "20", "--output-len", "5", "--num-iters-warmup", "1", "--num-iters", "2",
+    latency.main(["--no-quiet-gc", "--input-len", "20", "--output-len", "5", "--num-iters-warmup", "1", "--num-iters", "2",
                   "--json", str(out), *CEILINGS, *scheduling])
     r = json.loads(out.read_text())
     assert len(r["ttft_s"]["all"]) == len(r["decode_s_per_token"]["all"]) == 2
@@ -195,7 +195,7 @@ def test_latency_end_to_end(tmp_path, scheduling):
 
 def test_config_only_folder_runs_with_dummy_weights(tmp_path, capsys):
     shutil.copy(default_model_path() / "config.json", tmp_path / "config.json")
-    latency.main(["--config-dir", str(tmp_path), "--input-len", "8", "--output-len", "2",
+    latency.main(["--no-quiet-gc", "--config-dir", str(tmp_path), "--input-len", "8", "--output-len", "2",
                   "--num-iters-warmup", "0", "--num-iters", "1", *CEILINGS])
     assert "decode ms/token" in capsys.readouterr().out
 
@@ -205,7 +205,7 @@ def test_step_overhead_and_step_profile_run(capsys):
 
     step_overhead.main(["--requests", "4", "--prompt-len", "8", "--steps", "3"])
     assert "cpu total" in capsys.readouterr().out
-    step_profile.main(["--device", "cpu", "--batch-size", "2", "--input-len", "8", "--warmup-steps", "3",
+    step_profile.main(["--no-quiet-gc", "--device", "cpu", "--batch-size", "2", "--input-len", "8", "--warmup-steps", "3",
                        "--steps", "2", "--profile-steps", "1", "--top", "3"])
     assert "step ms" in capsys.readouterr().out
 

@@ -23,6 +23,7 @@ import sys
 import time
 
 from ferry.bench.throughput import add_model_args, random_workload, resolve_model_args
+from ferry.gc_settings import quiet_gc
 
 
 def _timed(fn, n: int, sync) -> float:
@@ -48,6 +49,8 @@ def run(args: argparse.Namespace) -> None:
     if args.max_num_seqs is None:
         args.max_num_seqs = args.batch_size
     engine = LLMEngine.from_config(make_engine_config(args.model, **engine_kwargs(args)))
+    if args.quiet_gc:
+        quiet_gc()
     cuda = torch.device(args.device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 

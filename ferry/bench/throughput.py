@@ -42,6 +42,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(device="auto")  # cuda when there is one
     add_hardware_args(parser)
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the results here as JSON")
+    parser.add_argument("--quiet-gc", action=argparse.BooleanOptionalAction, default=True,
+                        help="once the engine is built, collect garbage rarely, as the server's engine process "
+                             "does (ferry/gc_settings.py); it changes this process's collector for good")
 
 
 def resolve_model_args(args: argparse.Namespace) -> None:
@@ -69,7 +72,8 @@ def setup(args: argparse.Namespace) -> tuple:
     config = make_engine_config(args.model, **engine_kwargs(args))
     hw = hardware_from_args(args, args.device, config.model.dtype)
     engine = LLMEngine.from_config(config)
-    quiet_gc()  # as the server's engine process does (gc_settings.py), so the two compare
+    if args.quiet_gc:  # as the server's engine process does, so the two compare
+        quiet_gc()
     return engine, hw, ModelCost.from_model_config(config.model)
 
 

@@ -192,20 +192,29 @@ def tune(
     whether at one row its RMSNorm runs inside the GEMV. Each is the fastest way to run the layer
     together with the op that feeds it (`input_op`), as the model runs it: cuBLAS after the op's own
     kernel, or the GEMV after it, or the GEMV with the op inside (`path_times`)."""
+    assert input_op in (None, "rms_norm", "silu_and_mul"), input_op
     if weight.dtype not in DTYPES:
         return None, None, False
     copies = cold_copies(weight)
-    one_row, fuses_norm = fastest_path(path_times(weight, bias, input_op, 1, copies))
-    few_rows, _ = fastest_path(path_times(weight, bias, input_op, MAX_ROWS, copies))
-    # Every variant a chosen configuration will run is built and checked here, where a failure
-    # only costs the optimization, not in the middle of a graph capture or a step.
-    if not _variants_agree(weight, bias, one_row, (1,)):
-        one_row, fuses_norm = None, False
-    if not _variants_agree(weight, bias, few_rows, (2, 3, 4)):
-        few_rows = None
-    if fuses_norm and not _norm_fusion_agrees(weight, bias, one_row):
-        fuses_norm = False
+    one_row, fuses_norm = _fastest_that_agrees(weight, bias, path_times(weight, bias, input_op, 1, copies), (1,))
+    few_rows, _ = _fastest_that_agrees(weight, bias, path_times(weight, bias, input_op, MAX_ROWS, copies), (2, 3, 4))
     return one_row, few_rows, fuses_norm
+
+
+def _fastest_that_agrees(
+    weight: torch.Tensor, bias: torch.Tensor | None, times: PathTimes, rows: tuple,
+) -> tuple[GemvConfig | None, bool]:
+    """fastest_path, among the paths whose variants compute what torch does at these row counts.
+    Every variant a chosen configuration will run is built and checked here, where a failure only
+    costs the optimization, not in the middle of a graph capture or a step."""
+    times = dict(times)
+    while True:
+        config, inside = fastest_path(times)
+        if config is None:
+            return None, False
+        if _variants_agree(weight, bias, config, rows) and (not inside or _norm_fusion_agrees(weight, bias, config)):
+            return config, inside
+        del times[config, inside]  # and try the next fastest
 
 
 PathTimes = dict[tuple[GemvConfig | None, bool], float]  # (config or None for cuBLAS, op inside) -> s
@@ -285,15 +294,19 @@ def _norm_fusion_agrees(weight: torch.Tensor, bias: torch.Tensor | None, config:
     k = weight.shape[1]
     x, residual = (torch.randn(1, k, device=weight.device, dtype=weight.dtype) for _ in range(2))
     norm_weight = 1 + 0.1 * torch.randn(k, device=weight.device, dtype=weight.dtype)
-    for r in (residual, None):
-        s = x if r is None else (x.float() + r.float()).to(x.dtype)
-        s32 = s.float()
-        h = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * norm_weight
-        y, new_residual = gemv_rms_norm(x, r, norm_weight, 1e-6, weight, bias, config)
-        expected = torch.nn.functional.linear(h, weight, bias)
-        if not (torch.allclose(y.float(), expected.float(), atol=2e-2, rtol=2e-2) and torch.equal(new_residual, s)):
-            logger.warning("GEMV %s with the RMSNorm inside disagrees with torch: not fused", config)
-            return False
+    try:
+        for r in (residual, None):
+            s = x if r is None else (x.float() + r.float()).to(x.dtype)
+            s32 = s.float()
+            h = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * norm_weight
+            y, new_residual = gemv_rms_norm(x, r, norm_weight, 1e-6, weight, bias, config)
+            expected = torch.nn.functional.linear(h, weight, bias)
+            if not (torch.allclose(y.float(), expected.float(), atol=2e-2, rtol=2e-2) and torch.equal(new_residual, s)):
+                logger.warning("GEMV %s with the RMSNorm inside disagrees with torch: not fused", config)
+                return False
+    except Exception as e:
+        logger.warning("GEMV %s with the RMSNorm inside does not run on this device: %s", config, e)
+        return False
     return True
 
 
