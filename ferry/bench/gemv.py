@@ -38,7 +38,7 @@ def layer_shapes(config: ModelConfig) -> dict[str, tuple[int, int, str | None]]:
 
 
 def _name(config: GemvConfig | None) -> str:
-    return "cuBLAS" if config is None else f"GEMV {config.block_n}x{config.block_k}, {config.num_warps} warps"
+    return str(config) if config is not None else "cuBLAS"
 
 
 def _path(key: tuple[GemvConfig | None, bool]) -> str:

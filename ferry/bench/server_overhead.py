@@ -23,9 +23,7 @@ CPU times come from /proc).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import multiprocessing
 import os
 import queue
 import socket
@@ -95,17 +93,9 @@ def stand_in_engine(sock: socket.socket, step_s: float, max_running: int) -> Non
 
 
 async def _start_stand_in(step_s: float, max_running: int):
-    from ferry.engine.async_engine import AsyncEngine, _read_message
+    from ferry.engine.async_engine import AsyncEngine
 
-    parent, child = socket.socketpair()
-    process = multiprocessing.get_context("spawn").Process(
-        target=stand_in_engine, args=(child, step_s, max_running), name="ferry-stand-in-engine",
-    )
-    process.start()
-    child.close()
-    reader, writer = await asyncio.open_unix_connection(sock=parent)
-    ready = await _read_message(reader)
-    return AsyncEngine(process, reader, writer, ready.info, None)
+    return await AsyncEngine.spawn(stand_in_engine, (step_s, max_running), name="ferry-stand-in-engine")
 
 
 def serve(port: int, step_s: float, max_running: int) -> None:

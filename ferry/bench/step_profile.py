@@ -22,7 +22,7 @@ import argparse
 import sys
 import time
 
-from ferry.bench.throughput import add_model_args, random_workload, resolve_model_args
+from ferry.bench.throughput import add_model_args, command_line, random_workload, resolve_model_args
 from ferry.gc_settings import quiet_gc
 
 
@@ -111,11 +111,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ferry.bench.step_profile", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_args(parser)
-    run(parser.parse_args(argv))
-    return 0
+    return command_line("step_profile", __doc__, add_args, lambda args: run(args) or 0, argv)
 
 
 if __name__ == "__main__":

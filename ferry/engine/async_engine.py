@@ -77,12 +77,19 @@ class AsyncEngine:
         """Spawn the engine process, wait until its model is loaded, and load the tokenizer here
         (the server tokenizes, so the engine's core spends its time on the model). With `trace`,
         the engine traces every request (see metrics/tracing.py)."""
+        return await cls.spawn(run_engine_process, (str(model), engine_kwargs, threads, trace),
+                               lambda: _load_tokenizer(Path(model)), timeout_s)
+
+    @classmethod
+    async def spawn(
+        cls, target: Callable[..., None], args: tuple, tokenizer: Callable[[], Tokenizer | None] = lambda: None,
+        timeout_s: float = 900.0, name: str = "ferry-engine",
+    ) -> AsyncEngine:
+        """Run target(socket, *args) in a spawned process that speaks the engine's channel (the engine
+        process, or a stand-in for benchmarks) and wait for its EngineReady."""
         parent_sock, child_sock = socket.socketpair()
         # spawn, not fork: a forked copy of a server with threads and an event loop is unsafe.
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, args=(str(model), engine_kwargs, child_sock, threads, trace),
-            name="ferry-engine",
-        )
+        process = multiprocessing.get_context("spawn").Process(target=target, args=(child_sock, *args), name=name)
         process.start()
         child_sock.close()  # the child holds its own copy; ours would hide the child's exit from us
         reader, writer = await asyncio.open_unix_connection(sock=parent_sock)
@@ -95,7 +102,7 @@ class AsyncEngine:
             raise RuntimeError(f"the engine process failed to start:\n{first.message}")
         if not isinstance(first, EngineReady):
             raise RuntimeError(f"the engine process sent {type(first).__name__} before EngineReady")
-        return cls(process, reader, writer, first.info, _load_tokenizer(Path(model)))
+        return cls(process, reader, writer, first.info, tokenizer())
 
     # ---- state ----
 

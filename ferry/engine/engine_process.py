@@ -42,7 +42,7 @@ from ferry.outputs import RequestOutput
 
 
 def run_engine_process(
-    model: str, engine_kwargs: dict[str, Any], sock: socket.socket, threads: int | None, trace: bool = False,
+    sock: socket.socket, model: str, engine_kwargs: dict[str, Any], threads: int | None, trace: bool = False,
 ) -> None:
     """The engine process's entry point (the target of a spawned `multiprocessing.Process`). With
     `trace`, finished requests' traces go to the server with the step outputs."""

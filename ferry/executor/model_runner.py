@@ -118,13 +118,12 @@ class ModelRunner:
             return LaunchedStep([], output=ModelRunnerOutput([], []))
         scheduled = scheduler_output.scheduled
         in_flight = self._in_flight(scheduled) if scheduler_output.num_in_flight_tokens else ([], [])
-        inputs = self.prepare_decode_graph(scheduled, in_flight[0])
-        if inputs is not None:
-            self._fill_in_flight(*in_flight, inputs.input_ids)
+        graph_inputs = self.prepare_decode_graph(scheduled, in_flight[0])
+        inputs = graph_inputs if graph_inputs is not None else self.prepare_inputs(scheduled, in_flight[0])
+        self._fill_in_flight(*in_flight, inputs.input_ids)
+        if graph_inputs is not None:
             hidden = self.decode_graphs.forward(inputs)
         else:
-            inputs = self.prepare_inputs(scheduled, in_flight[0])
-            self._fill_in_flight(*in_flight, inputs.input_ids)
             ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -208,9 +207,7 @@ class ModelRunner:
         bs = self.block_size
         slot_mapping = block_table[req_of_token, positions // bs] * bs + positions % bs
 
-        input_ids = [t for s in scheduled for t in s.token_ids]
-        for position in in_flight:
-            input_ids[position] = 0  # a placeholder: _fill_in_flight writes the id on the device
+        input_ids = _without_in_flight([t for s in scheduled for t in s.token_ids], in_flight)
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
         logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
         prompt_logprob_rows = []
@@ -290,7 +287,7 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         """Sample and bring everything to the host now: the step's logprobs are host lists."""
         result: SamplerOutput = self.sampler(logits[:len(rows)], rows)
-        self._remember(request_ids, torch.tensor(result.token_ids, device=self.device))
+        self._remember(request_ids, to_device(result.token_ids, torch.int64, self.device))
         for request_id, token_id in zip(request_ids, result.token_ids):
             self._states[request_id].output_token_ids.append(token_id)
         output = ModelRunnerOutput(request_ids, result.token_ids, _logprobs_of(result))

@@ -58,6 +58,9 @@ class GemvConfig:
     block_k: int
     num_warps: int = 4
 
+    def __str__(self) -> str:
+        return f"GEMV {self.block_n}x{self.block_k} ({self.num_warps} warps)"
+
 
 # Few, because each compiles at startup: the fastest over Qwen3-0.6B's and Llama-3.1-8B's layer shapes
 # on an H200, at one and four rows (`python -m ferry.bench.gemv` times them all).
@@ -197,7 +200,8 @@ def tune(
         return None, None, False
     copies = cold_copies(weight)
     one_row, fuses_norm = _fastest_that_agrees(weight, bias, path_times(weight, bias, input_op, 1, copies), (1,))
-    few_rows, _ = _fastest_that_agrees(weight, bias, path_times(weight, bias, input_op, MAX_ROWS, copies), (2, 3, 4))
+    few_times = path_times(weight, bias, input_op, MAX_ROWS, copies)
+    few_rows, _ = _fastest_that_agrees(weight, bias, few_times, tuple(range(2, MAX_ROWS + 1)))
     return one_row, few_rows, fuses_norm
 
 
@@ -291,15 +295,17 @@ def _variants_agree(weight: torch.Tensor, bias: torch.Tensor | None, config: Gem
 def _norm_fusion_agrees(weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> bool:
     """Whether the add+RMSNorm inside the GEMV computes what the norm then torch's linear does, with
     a residual and without (the first layer's)."""
+    from ferry.layers.norm import RMSNorm
+
     k = weight.shape[1]
     x, residual = (torch.randn(1, k, device=weight.device, dtype=weight.dtype) for _ in range(2))
-    norm_weight = 1 + 0.1 * torch.randn(k, device=weight.device, dtype=weight.dtype)
+    norm = RMSNorm(k, eps=1e-6).to(weight.device, weight.dtype)
+    norm.weight.data = 1 + 0.1 * torch.randn(k, device=weight.device, dtype=weight.dtype)
     try:
         for r in (residual, None):
             s = x if r is None else (x.float() + r.float()).to(x.dtype)
-            s32 = s.float()
-            h = (s32 * torch.rsqrt(s32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * norm_weight
-            y, new_residual = gemv_rms_norm(x, r, norm_weight, 1e-6, weight, bias, config)
+            h = norm._norm(s)  # the torch code, Hugging Face's rounding
+            y, new_residual = gemv_rms_norm(x, r, norm.weight, norm.eps, weight, bias, config)
             expected = torch.nn.functional.linear(h, weight, bias)
             if not (torch.allclose(y.float(), expected.float(), atol=2e-2, rtol=2e-2) and torch.equal(new_residual, s)):
                 logger.warning("GEMV %s with the RMSNorm inside disagrees with torch: not fused", config)

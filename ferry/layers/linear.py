@@ -100,12 +100,8 @@ def tune_small_batch(model: nn.Module) -> None:
         layer.gemv_one_row, layer.gemv_few_rows, layer.gemv_fuses_norm = choices[key]
     for key, (one, few, fuses_norm) in choices.items():
         after = f" after {key[4]}" if key[4] else ""
-        logger.info("linear %s x %s%s: 1 row %s%s; 2-%d rows %s", key[0], key[1], after, _describe(one),
-                    " (RMSNorm inside)" if fuses_norm else "", SMALL_BATCH_ROWS, _describe(few))
-
-
-def _describe(config: GemvConfig | None) -> str:
-    return "cuBLAS" if config is None else f"GEMV {config.block_n}x{config.block_k} ({config.num_warps} warps)"
+        logger.info("linear %s x %s%s: 1 row %s%s; 2-%d rows %s", key[0], key[1], after, one or "cuBLAS",
+                    " (RMSNorm inside)" if fuses_norm else "", SMALL_BATCH_ROWS, few or "cuBLAS")
 
 
 class MergedLinear(Linear):

@@ -47,18 +47,17 @@ class LlamaAttention(nn.Module):
     def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
         return apply_rotary_qk(q, k, rope)
 
-    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), rope, ctx)
-
-    def attend(self, qkv: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        """The block after its qkv projection: (num_tokens, q_size + 2 * kv_size) -> (num_tokens, hidden)."""
+    def forward(self, qkv: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+        """From qkv_proj's output, which the decoder layer computes together with the norm before it
+        (Linear.forward_rms_norm): (num_tokens, q_size + 2 * kv_size) -> (num_tokens, hidden)."""
         q, k, v = self.split_heads(qkv)
         q, k = self.rotate(q, k, rope)
         return self.o_proj(self.attn(q, k, v, ctx))
 
 
 class LlamaMLP(nn.Module):
-    """down_proj(silu(gate_proj(x)) * up_proj(x)), with gate and up in one matmul."""
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), with gate and up in one matmul; the decoder layer
+    computes gate_up_proj together with the norm before it, and the MLP takes over from there."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
@@ -69,11 +68,8 @@ class LlamaMLP(nn.Module):
         self.down_proj.input_op = "silu_and_mul"
         self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up_proj(x))
-
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The block after its gate/up projection."""
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """From gate_up_proj's output: (num_tokens, 2 * intermediate) -> (num_tokens, hidden)."""
         return self.down_proj.forward_silu_and_mul(gate_up, self.act_fn)
 
 
@@ -95,9 +91,9 @@ class LlamaDecoderLayer(nn.Module):
         # Each norm runs inside the projection that follows it where that projection's GEMV serves
         # the batch (Linear.forward_rms_norm); otherwise as its own kernel, then the projection.
         qkv, residual = self.self_attn.qkv_proj.forward_rms_norm(x, residual, self.input_layernorm)
-        h = self.self_attn.attend(qkv, rope, ctx)
+        h = self.self_attn(qkv, rope, ctx)
         gate_up, residual = self.mlp.gate_up_proj.forward_rms_norm(h, residual, self.post_attention_layernorm)
-        return self.mlp.down(gate_up), residual
+        return self.mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):

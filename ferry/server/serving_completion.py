@@ -157,15 +157,15 @@ class _Choice:
         self.finish_reason = completion.finish_reason
         if not (head_text or head_ids or text or token_ids or completion.finished):
             return None
+        stop_reason = completion.stop_reason if completion.finished else None
         if self.plan.logprobs is None:
-            stop_reason = completion.stop_reason if completion.finished else None
             return TextDelta(self.plan.head, self.index, head_text + text, completion.finish_reason, stop_reason)
         logprobs, self.text_offset = completion_logprobs(
             head_ids + token_ids, head_positions + positions, self.text_offset, lambda t: decode([t]),
         )
         return CompletionChoice(
             index=self.index, text=head_text + text, logprobs=logprobs, finish_reason=completion.finish_reason,
-            stop_reason=completion.stop_reason if completion.finished else None,
+            stop_reason=stop_reason,
         )
 
     def _echo(self, output: RequestOutput, finished: bool, decode) -> tuple[str, list[int], list]:
