@@ -76,7 +76,9 @@ serve_sweep() {
     --json "$logs/$name.offline.json" || return 1
   serve_ready 90 --model $qwen --load-format dummy --dtype bfloat16 --device cuda --no-enforce-eager $fa \
     --no-enable-prefix-caching --max-num-seqs 256 || return 1
+  # Greedy, as the offline run samples by default: the same requests on both sides.
   python3 -m ferry bench serve --base-url http://localhost:8000 --prompt-token-ids --ignore-eos --disable-tqdm \
+    --extra-body '{"temperature": 0}' \
     --num-prompts $sweep_prompts --random-input-len $sweep_in --random-output-len $sweep_out --random-range-ratio 0 \
     --num-warmups 8 --request-rate-sweep $sweep_rates --save-result "$logs/$name.http.json"
   local rc=$?

@@ -53,11 +53,22 @@ def test_every_message_survives_the_wire():
     assert roundtrip(StepOutputs([output])).outputs[0].outputs[0].logprobs[0][5] == Logprob(-0.5, 2, "hi")
 
 
+def test_plain_deltas_travel_as_short_rows():
+    plain = delta("r1", texts=("hé",), token_ids=((5, 6),))
+    plain.num_cached_tokens = 32
+    others = [delta("r2", finished=True), delta("r3", texts=("a", "b"), token_ids=((1,), (2,))),
+              delta("r4", logprobs=[{1: Logprob(-0.5, 1, "a")}])]
+    message = StepOutputs([plain, *others])
+    assert roundtrip(message) == message
+    outputs = json.loads(encode(message)[HEADER_BYTES:])[1][0]
+    assert outputs[0] == ["r1", "hé", [5, 6], 32] and all(len(o) == 6 for o in outputs[1:])
+
+
 @pytest.mark.parametrize("payload", [
     b"not json", b"[]", b'["Pickle", null]', b'["__import__", "os"]', b'["AddRequest", [1, [1], {}]]',
     b'["AddRequest", ["r", [1], {"evil": 1}, null]]', b'["AddRequest", ["r", [1], {"temperature": -1}, null]]',
     b'["AddRequest", ["r", [1], {}, 5]]',
-    b'["EngineReady", [1, 2]]', b'{"t": 1}',
+    b'["EngineReady", [1, 2]]', b'{"t": 1}', b'["StepOutputs", [[[1, "a", [1], 0]], [0, 0, 0, 0, 0, 0, 0, 0], []]]',
 ])
 def test_decode_builds_nothing_but_known_messages(payload):
     with pytest.raises(ValueError):

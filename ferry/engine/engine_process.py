@@ -2,12 +2,16 @@
 own): the server's `AsyncEngine` starts it and talks to it over a local socket pair.
 
     reader thread:  socket ─► decode ─► inbox                (always draining the socket)
-    engine loop:    inbox ─► add / abort ─► engine.step() ─► StepOutputs ─► outbox
-    writer thread:  outbox ─► encode ─► socket
+    engine loop:    inbox ─► add / abort ─► engine.step() ─► StepOutputs ─► encode ─► outbox
+    writer thread:  outbox ─► socket
 
-Encoding a step's outputs (hundreds of requests at large batches) takes a millisecond or more of
-Python. The writer thread does it while the loop's next step waits on the GPU (a wait that
-releases the GIL), so it costs the step nothing; one writer keeps the messages in order.
+The loop encodes each message itself (a few hundred microseconds for hundreds of outputs, in
+their short form: messages.py) and the writer only sends bytes, a wait that releases the GIL.
+Encoding in the writer instead would not overlap with the GPU: with asynchronous scheduling the
+loop waits on the GPU only after preparing the next step, so a writer with Python work to do
+takes the GIL in the middle of that preparation (at every torch call that lets go of it) and
+holds it until done, and the step waits anyway, at random places. One writer keeps the messages
+in order.
 
 The loop blocks on the inbox only while the engine has nothing to do; otherwise it takes what has
 arrived between two steps, applies it, and steps. Every step sends one `StepOutputs` with the
@@ -108,6 +112,10 @@ class Channel:
     def send(self, message: Message) -> None:
         self.sock.sendall(encode(message))
 
+    def send_frame(self, frame: bytes) -> None:
+        """Send a message `encode` has framed."""
+        self.sock.sendall(frame)
+
     def recv(self) -> Message:
         """The next message; EOFError when the server has closed its end."""
         header = self._recv_exactly(HEADER_BYTES)
@@ -130,7 +138,7 @@ class EngineLoop:
         # Where the engine's tracer puts finished requests' traces; each message takes them all.
         self._finished_traces = finished_traces if finished_traces is not None else []
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
-        self.outbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # encoded messages
         # Requests whose prompt logprobs have not been sent yet -> their prompt length.
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
@@ -159,13 +167,16 @@ class EngineLoop:
                 changed = True
             if changed:
                 wire_outputs = [self._for_wire(o) for o in outputs]
-                self.outbox.put(StepOutputs(wire_outputs, self._stats(), self._take_traces()))
+                self._post(StepOutputs(wire_outputs, self._stats(), self._take_traces()))
+
+    def _post(self, message: Message) -> None:
+        self.outbox.put(encode(message))
 
     def _write(self) -> None:
         """Send the outbox's messages in order until None; a closed socket ends the loop too."""
-        while (message := self.outbox.get()) is not None:
+        while (frame := self.outbox.get()) is not None:
             try:
-                self.channel.send(message)
+                self.channel.send_frame(frame)
             except OSError:
                 self.inbox.put(Shutdown())
                 return
@@ -198,7 +209,7 @@ class EngineLoop:
         try:
             self.engine.add_request(message.request_id, prompt, message.params)
         except ValueError as e:
-            self.outbox.put(RequestFailed(message.request_id, str(e)))
+            self._post(RequestFailed(message.request_id, str(e)))
             return
         self._prompt_tokens_total += len(message.prompt_token_ids)
 

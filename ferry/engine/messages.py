@@ -9,7 +9,10 @@ Decoding builds only the message classes listed here, field by field: nothing th
 channel is ever unpickled or imported by name.
 
 Step outputs are deltas (`RequestOutputKind.DELTA`) and leave out the prompt and its token ids:
-the server sent them, keeps them, and puts them back (`AsyncEngine`). Prompt logprobs travel once,
+the server sent them, keeps them, and puts them back (`AsyncEngine`). Most of a step's outputs
+are one completion's new text and tokens, nothing else; those travel as a short row,
+`[request_id, text, token_ids, num_cached_tokens]`, which costs both ends a third of the full form
+(a step's message carries hundreds of them). Prompt logprobs travel once,
 in the first output that has all of them. With tracing on, a step's message also carries the
 traces of the requests that finished in it.
 """
@@ -225,6 +228,11 @@ def _params_from_json(body: dict) -> SamplingParams:
 
 
 def _output_to_json(output: RequestOutput) -> list:
+    if len(output.outputs) == 1 and not output.finished and output.prompt_logprobs is None and not output.metrics:
+        c = output.outputs[0]
+        if (c.index == 0 and c.logprobs is None and c.cumulative_logprob is None and c.finish_reason is None
+                and c.stop_reason is None):
+            return [output.request_id, c.text, c.token_ids, output.num_cached_tokens]  # the short row
     return [
         output.request_id,
         output.finished,
@@ -236,6 +244,10 @@ def _output_to_json(output: RequestOutput) -> list:
 
 
 def _output_from_json(body: list) -> RequestOutput:
+    if len(body) == 4:  # the short row
+        request_id, text, token_ids, num_cached = body
+        return RequestOutput(_str(request_id), None, [], [CompletionOutput(0, _str(text), _int_list(token_ids))],
+                             False, num_cached_tokens=int(num_cached))
     request_id, finished, completions, prompt_logprobs, num_cached, metrics = body
     return RequestOutput(
         request_id=_str(request_id),
