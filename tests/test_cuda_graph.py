@@ -389,3 +389,31 @@ def test_replay_equals_eager_forward_on_the_same_padded_inputs(tiny_model, dtype
         eager = runner.model.compute_logits(graphs._eager(inputs)[inputs.logits_indices])
     assert inputs.input_ids.shape[0] == 8
     torch.testing.assert_close(replayed, eager, atol=tol, rtol=tol)
+
+
+@gpu
+def test_programmatic_dependent_launch_changes_no_bit(tiny_model, monkeypatch):
+    """Kernels launched with PDL (attention/kernels/pdl.py) start before the one before them ends;
+    waiting where they must, they compute exactly what they compute launched one after another.
+    The same decode step, replayed many times, against the runner built with PDL off."""
+    from ferry.attention.kernels.pdl import use_pdl
+
+    def replayed_logits(pdl: bool) -> list[torch.Tensor]:
+        monkeypatch.setenv("FERRY_PDL", "1" if pdl else "0")
+        use_pdl.cache_clear()
+        assert use_pdl(torch.device("cuda")) == (pdl and torch.cuda.get_device_capability() >= (9, 0))
+        config = make_engine_config(tiny_model, dtype="bfloat16", device="cuda", block_size=16, num_kv_blocks=64,
+                                    max_num_seqs=8, enforce_eager=False)
+        runner = build_model_runner(config)
+        prompts = PROMPTS[:5]
+        scheduled = decode_step(prompts, prefill(runner, prompts), 0)
+        with torch.inference_mode():
+            inputs = runner.prepare_decode_graph(scheduled)
+            return [runner.model.compute_logits(runner.decode_graphs.forward(inputs)[inputs.logits_indices]).clone()
+                    for _ in range(20)]
+
+    try:
+        with_pdl, without = replayed_logits(True), replayed_logits(False)
+    finally:
+        use_pdl.cache_clear()
+    assert all(torch.equal(a, without[0]) for a in with_pdl + without)

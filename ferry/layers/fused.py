@@ -12,7 +12,8 @@ once and writes its outputs once:
 
 The layers call these only on CUDA tensors; elsewhere they keep their torch code, which follows
 Hugging Face's rounding exactly (tests/test_fused_ops.py holds the kernels to it, within bf16
-tolerances). Rounding here: sums and statistics in float32, results cast to the activations'
+tolerances). Each launches with programmatic dependent launch where the device has it
+(attention/kernels/pdl.py), loading its weights while the kernel before it finishes. Rounding here: sums and statistics in float32, results cast to the activations'
 dtype where Hugging Face casts them (the residual sum, the normalized value before the weight).
 """
 
@@ -22,19 +23,24 @@ import torch
 import triton
 import triton.language as tl
 
+from ferry.attention.kernels.pdl import let_next_kernel_start, use_pdl, wait_for_previous_kernel
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr,
     stride_x, stride_residual, stride_out,
     n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row: with a residual, residual <- x + residual (rounded to the dtype), then
     out <- weight * dtype(s / sqrt(mean(s^2) + eps)) for s the (new) residual, or x without one."""
+    let_next_kernel_start(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    wait_for_previous_kernel(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r_ptrs = residual_ptr + row * stride_residual + cols
@@ -43,7 +49,6 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n + eps)
     normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -60,8 +65,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x, residual if residual is not None else x, weight, out,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=max(1, min(16, block // 256)),
+        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=use_pdl(x.device),
+        num_warps=max(1, min(16, block // 256)), launch_pdl=use_pdl(x.device),
     )
     return out
 
@@ -93,8 +98,11 @@ def _rotary_qk_kernel(
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_rope_tok,
     eps,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (token, head): heads [0, NUM_Q_HEADS) are q's, the rest k's."""
+    let_next_kernel_start(PDL)
+    wait_for_previous_kernel(PDL)
     tok = tl.program_id(0)
     head = tl.program_id(1)
     half = tl.arange(0, BLOCK_HALF)
@@ -134,12 +142,15 @@ def rotary_qk_(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         eps,
         NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=1,
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), PDL=use_pdl(q.device), num_warps=1,
+        launch_pdl=use_pdl(q.device),
     )
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    let_next_kernel_start(PDL)
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -160,6 +171,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     block = min(1024, triton.next_power_of_2(d))
-    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block,
-                                                         num_warps=4)
+    pdl = use_pdl(x.device)
+    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block, PDL=pdl,
+                                                         num_warps=4, launch_pdl=pdl)
     return out

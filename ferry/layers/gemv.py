@@ -33,6 +33,11 @@ kernels round (the activation wherever the GEMV serves a batch, the norm at one 
 
 So cuBLAS for Llama-3.1-8B's gate_up_proj (within 4% of this kernel alone) can still lose to the GEMV
 once the norm's kernel is counted on cuBLAS's side.
+
+On Hopper the kernel launches with programmatic dependent launch (attention/kernels/pdl.py): its
+programs start while the kernel before it finishes, and load their first weight tile before
+waiting for the input that kernel writes. The gap between two kernels, a microsecond or two of
+idle bandwidth, is then spent streaming weights.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ferry.attention.kernels.pdl import let_next_kernel_start, use_pdl, wait_for_previous_kernel
 from ferry.layers.linear import SMALL_BATCH_ROWS
 
 logger = logging.getLogger(__name__)
@@ -98,17 +104,53 @@ def _input_tile(
     return x.to(tl.float32)
 
 
+@triton.jit
+def _weight_tile(w_ptr, cols, col_ok, k0, k, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """W[cols, k0 : k0 + BLOCK_K] in float32, zero outside the matrix."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
+    if EVEN_K:  # a mask that is constant along K keeps the loads vectorized
+        w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+    else:
+        w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks[None, :] < k), other=0.0)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _accumulate(
+    acc, w, k0, x_ptr, residual_ptr, residual_out_ptr, norm_ptr, m, k, stride_xm, stride_rm, inv_rms, owner,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    """acc[row] += the weight tile w (BLOCK_N, BLOCK_K) at K offset k0 times each row's input there."""
+    rows = tl.arange(0, BLOCK_M)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    for r in tl.static_range(BLOCK_M):
+        x = _input_tile(
+            x_ptr, residual_ptr, residual_out_ptr, norm_ptr, r, ks, (ks < k) & (r < m), k, stride_xm, stride_rm,
+            tl.sum(tl.where(rows == r, inv_rms, 0.0)), owner, SILU_MUL, NORM, HAS_RESIDUAL,
+        )
+        acc = tl.where(rows[:, None] == r, acc + tl.sum(w * x[None, :], axis=1)[None, :], acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["m"])
 def _gemv_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, residual_ptr, residual_out_ptr, norm_ptr,
     m, n, k, stride_xm, stride_wn, stride_ym, stride_rm, eps,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    let_next_kernel_start(PDL)
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n
     rows = tl.arange(0, BLOCK_M)
+    # The first weight tile loads before the wait for the kernel that writes x (pdl.py): the
+    # weights are constant, and their bytes are the whole cost.
+    w = _weight_tile(w_ptr, cols, col_ok, 0, k, stride_wn, BLOCK_K, EVEN_K)
+    wait_for_previous_kernel(PDL)
     inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:  # a first pass over each row for its RMS (x is a few KB: it comes from cache)
         for r in tl.static_range(BLOCK_M):
@@ -124,20 +166,12 @@ def _gemv_kernel(
                 sum_sq += tl.sum(x * x)
             inv_rms = tl.where(rows == r, tl.rsqrt(sum_sq / k + eps), inv_rms)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
-        if EVEN_K:  # a mask that is constant along K keeps the loads vectorized
-            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
-        else:
-            w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks[None, :] < k), other=0.0)
-        w = w.to(tl.float32)
-        for r in tl.static_range(BLOCK_M):
-            x = _input_tile(
-                x_ptr, residual_ptr, residual_out_ptr, norm_ptr, r, ks, (ks < k) & (r < m), k, stride_xm, stride_rm,
-                tl.sum(tl.where(rows == r, inv_rms, 0.0)), pid == 0, SILU_MUL, NORM, HAS_RESIDUAL,
-            )
-            acc = tl.where(rows[:, None] == r, acc + tl.sum(w * x[None, :], axis=1)[None, :], acc)
+    acc = _accumulate(acc, w, 0, x_ptr, residual_ptr, residual_out_ptr, norm_ptr, m, k, stride_xm, stride_rm,
+                      inv_rms, pid == 0, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RESIDUAL)
+    for k0 in range(BLOCK_K, k, BLOCK_K):
+        w = _weight_tile(w_ptr, cols, col_ok, k0, k, stride_wn, BLOCK_K, EVEN_K)
+        acc = _accumulate(acc, w, k0, x_ptr, residual_ptr, residual_out_ptr, norm_ptr, m, k, stride_xm, stride_rm,
+                          inv_rms, pid == 0, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RESIDUAL)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     mask = (rows[:, None] < m) & col_ok[None, :]
@@ -180,7 +214,8 @@ def _launch(x, weight, bias, config, silu_mul=False, residual=None, residual_out
         m, n, k, x.stride(0), weight.stride(0), n, residual.stride(0) if residual is not None else 0, eps,
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SILU_MUL=silu_mul, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, num_warps=config.num_warps, num_stages=1,
+        HAS_RESIDUAL=residual is not None, PDL=use_pdl(x.device), num_warps=config.num_warps, num_stages=1,
+        launch_pdl=use_pdl(x.device),
     )
     return y
 

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from ferry.attention.kernels.launch import block_d, dot_precision, num_multiprocessors
 from ferry.attention.kernels.paged_tiles import LOG2_E, load_kv_tile, online_softmax_step
+from ferry.attention.kernels.pdl import let_next_kernel_start, use_pdl, wait_for_previous_kernel
 
 # tl.dot needs at least 16 rows per operand.
 _MIN_DOT_ROWS = 16
@@ -86,8 +87,10 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
 ):
+    let_next_kernel_start(PDL)
+    wait_for_previous_kernel(PDL)  # before the early return of an empty split too (pdl.py)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -139,7 +142,10 @@ def _decode_merge_kernel(
     stride_out_req, stride_out_head,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,  # BLOCK_S: num_splits rounded up to a power of two
+    PDL: tl.constexpr,
 ):
+    let_next_kernel_start(PDL)
+    wait_for_previous_kernel(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
@@ -187,8 +193,8 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(_MIN_DOT_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n,
-        DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), PDL=use_pdl(q.device),
+        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl(q.device),
     )
     if num_splits == 1:
         return
@@ -198,10 +204,10 @@ def decode_attention(
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=config.block_n,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=config.block_n, PDL=use_pdl(q.device),
         # One (BLOCK_S, head_dim) fp32 tile per program; 4 warps hold 64 splits x 128 dims at 64
         # values per thread (1 warp needed 181 registers for 33 splits).
-        num_warps=4,
+        num_warps=4, launch_pdl=use_pdl(q.device),
     )
 
 

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ferry.attention.kernels.launch import floor_power_of_2, num_multiprocessors
+from ferry.attention.kernels.pdl import let_next_kernel_start, use_pdl, wait_for_previous_kernel
 
 # One warp moves 32 lanes x 16 bytes = 512 bytes per vector instruction.
 _BYTES_PER_WARP = 32 * 16
@@ -35,7 +36,10 @@ def _store_kv_kernel(
     stride_cache_kv,  # elements from the K half of the cache to the V half
     ROW: tl.constexpr,  # num_kv_heads * head_dim
     BLOCK_T: tl.constexpr, BLOCK_ROW: tl.constexpr,  # BLOCK_ROW: ROW rounded up to a power of two
+    PDL: tl.constexpr,
 ):
+    let_next_kernel_start(PDL)
+    wait_for_previous_kernel(PDL)
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     # int64 slots: slot * ROW passes 2**31 in caches over 4 GB.
     slots = tl.load(slot_mapping_ptr + tokens, mask=tokens < num_tokens, other=-1)
@@ -68,9 +72,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         k, v, kv_cache, slot_mapping, num_tokens,
         k.stride(0), v.stride(0),
         kv_cache.stride(0),
-        ROW=row, BLOCK_T=block_t, BLOCK_ROW=triton.next_power_of_2(row),
+        ROW=row, BLOCK_T=block_t, BLOCK_ROW=triton.next_power_of_2(row), PDL=use_pdl(k.device),
         # One warp per 512 bytes of the tile: each lane moves one 16-byte vector per tensor.
-        num_warps=max(1, min(8, tile_bytes // _BYTES_PER_WARP)),
+        num_warps=max(1, min(8, tile_bytes // _BYTES_PER_WARP)), launch_pdl=use_pdl(k.device),
     )
 
 
