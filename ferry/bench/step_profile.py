@@ -13,6 +13,10 @@
   minus this is the time the GPU waited for the host;
 - the kernels that take the most of it, per step.
 
+With programmatic dependent launch (on Hopper: attention/kernels/pdl.py) a kernel starts before the
+one before it ends and its time includes that wait: kernel times then overlap and add up to more
+than the step. FERRY_PDL=0 launches them one after another, for a breakdown by kernel.
+
 `--trace PATH` also writes the profiled steps as a Chrome trace (open it in ui.perfetto.dev).
 """
 
@@ -87,6 +91,11 @@ def run(args: argparse.Namespace) -> None:
         gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.profile_steps
         print(f"GPU ms per step (kernel time, profiled): {gpu_ms:.3f}; the GPU waits for the host "
               f"about {max(0.0, step_ms - gpu_ms):.3f} ms of each step")
+        from ferry.attention.kernels.pdl import use_pdl  # (Triton: CUDA only)
+
+        if use_pdl(torch.device(args.device)):
+            print("(kernels launched with PDL overlap the one before them: their times include the wait, "
+                  "FERRY_PDL=0 separates them)")
         print(f"\n{'kernel':<60} {'ms/step':>8} {'calls/step':>10} {'share':>6}")
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.top]:
             ms = e.self_device_time_total / 1e3 / args.profile_steps
