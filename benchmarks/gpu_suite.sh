@@ -10,7 +10,8 @@
 # HF_BASELINES names the folder of the baseline scripts (hf_static.py, hf_cb.py). FERRY_ARGS is added
 # to every ferry engine command; a step named NAME+sync runs NAME with --no-async-scheduling added
 # (asynchronous scheduling is the default on CUDA), so that `throughput_qwen3 throughput_qwen3+sync`
-# compares the two in one run.
+# compares the two in one run; NAME+nopdl runs it with FERRY_PDL=0 (kernels launched one after
+# another, without programmatic dependent launch).
 set -u
 out=${1:-logs}
 shift || true
@@ -126,7 +127,8 @@ step() {  # the time limit in seconds of one step, and its command
 for name in $steps; do
   fa=$ferry_args
   [ "${name%+sync}" != "$name" ] && fa="$fa --no-async-scheduling"
-  read -r limit cmd <<< "$(step "${name%+sync}")" || continue
+  if [ "${name%+nopdl}" != "$name" ]; then export FERRY_PDL=0; else unset FERRY_PDL; fi
+  read -r limit cmd <<< "$(step "${name%+*}")" || continue
   left=$((budget - SECONDS))
   if [ $left -lt 20 ]; then
     echo "== $name: skipped, $left s of the budget left" | tee -a "$out/summary.txt"
