@@ -274,7 +274,7 @@ def compile_report() -> list[str]:
                           "stride_cache_tok", "stride_cache_head", "stride_table_req", "stride_out_req",
                           "stride_out_head", "stride_out_split", "stride_lse_req", "stride_lse_head")}
         consts = dict(GROUP=group, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=page,
-                      BLOCK_N=decode_cfg.block_n, DOT_PRECISION="tf32")
+                      BLOCK_N=decode_cfg.block_n, DOT_PRECISION="tf32", PDL=True)
         lines.append(f"{f'decode gqa {group} block {page}':26s}" + build(decode._decode_split_kernel, args, consts, decode_cfg.num_warps, decode_cfg.num_stages))
         args = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "scale_log2": "fp32", "num_reqs": "i32",
@@ -286,12 +286,12 @@ def compile_report() -> list[str]:
     args = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "num_splits": "i32",
             **strides("stride_part_req", "stride_part_head", "stride_part_split", "stride_lse_req",
                       "stride_lse_head", "stride_out_req", "stride_out_head")}
-    consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, BLOCK_N=decode_cfg.block_n)
+    consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, BLOCK_N=decode_cfg.block_n, PDL=True)
     lines.append(f"{'merge 64 splits':26s}" + build(decode._decode_merge_kernel, args, consts, 4, 1))
     args = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64", "num_tokens": "i32",
             **strides("stride_k_tok", "stride_v_tok", "stride_cache_kv")}
     for block_t, num_warps in ((1, 2), (16, 8)):
-        consts = dict(ROW=1024, BLOCK_T=block_t, BLOCK_ROW=1024)
+        consts = dict(ROW=1024, BLOCK_T=block_t, BLOCK_ROW=1024, PDL=True)
         lines.append(f"{f'store {block_t} tokens/program':26s}" + build(store_kv._store_kv_kernel, args, consts, num_warps, 1))
     from ferry.layers import gemv
 
@@ -301,7 +301,7 @@ def compile_report() -> list[str]:
     for config in gemv.CANDIDATES:
         for name, silu, norm in (("plain", False, False), ("silu*mul", True, False), ("add+norm", False, True)):
             consts = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=True,
-                          SILU_MUL=silu, NORM=norm, HAS_RESIDUAL=norm)
+                          SILU_MUL=silu, NORM=norm, HAS_RESIDUAL=norm, PDL=True)
             label = f"gemv {config.block_n}x{config.block_k} {name}"
             lines.append(f"{label:26s}" + build(gemv._gemv_kernel, args, consts, config.num_warps, 1))
     return lines
