@@ -204,7 +204,7 @@ def gemv_rms_norm(
 def _launch(x, weight, bias, config, silu_mul=False, residual=None, residual_out=None, norm=None) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1
+    assert k > 0 and x.stride(-1) == 1 and weight.stride(-1) == 1  # (the first weight tile is read unmasked)
     assert residual is None or (residual.stride(-1) == 1 and residual.stride(0) == residual_out.stride(0))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (weight, 0.0)

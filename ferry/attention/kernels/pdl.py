@@ -37,7 +37,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 def use_pdl(device: torch.device) -> bool:
     """Whether kernels on this device launch with PDL: CUDA devices of compute capability 9.0
     (Hopper) and newer, unless FERRY_PDL=0. Never under Triton's interpreter (CPU tensors)."""
-    if device.type != "cuda" or os.environ.get("FERRY_PDL", "1") == "0":
+    if device.type != "cuda" or os.environ.get("FERRY_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
