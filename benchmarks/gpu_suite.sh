@@ -124,11 +124,13 @@ step() {  # the time limit in seconds of one step, and its command
     *) echo "unknown step $1" >&2; return 1 ;;
   esac
 }
+caller_pdl=${FERRY_PDL-}
 for name in $steps; do
   fa=$ferry_args
   [ "${name%+sync}" != "$name" ] && fa="$fa --no-async-scheduling"
-  if [ "${name%+nopdl}" != "$name" ]; then export FERRY_PDL=0; else unset FERRY_PDL; fi
-  read -r limit cmd <<< "$(step "${name%+*}")" || continue
+  if [ "${name%+nopdl}" != "$name" ]; then export FERRY_PDL=0; else export FERRY_PDL=$caller_pdl; fi
+  base=${name%+nopdl}
+  read -r limit cmd <<< "$(step "${base%+sync}")" || continue
   left=$((budget - SECONDS))
   if [ $left -lt 20 ]; then
     echo "== $name: skipped, $left s of the budget left" | tee -a "$out/summary.txt"

@@ -26,8 +26,7 @@ import argparse
 import sys
 import time
 
-from ferry.bench.throughput import add_model_args, command_line, random_workload, resolve_model_args
-from ferry.gc_settings import quiet_gc
+from ferry.bench.throughput import add_model_args, build_engine, command_line, random_workload, resolve_model_args
 
 
 def _timed(fn, n: int, sync) -> float:
@@ -46,15 +45,13 @@ def run(args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from ferry.cli import engine_kwargs
-    from ferry.engine.engine import LLMEngine, make_engine_config
+    from ferry.engine.engine import make_engine_config
     from ferry.sampling_params import RequestOutputKind, SamplingParams
 
     resolve_model_args(args)
     if args.max_num_seqs is None:
         args.max_num_seqs = args.batch_size
-    engine = LLMEngine.from_config(make_engine_config(args.model, **engine_kwargs(args)))
-    if args.quiet_gc:
-        quiet_gc()
+    engine = build_engine(args, make_engine_config(args.model, **engine_kwargs(args)))
     cuda = torch.device(args.device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 

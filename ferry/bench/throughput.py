@@ -66,15 +66,23 @@ def resolve_model_args(args: argparse.Namespace) -> None:
 def setup(args: argparse.Namespace) -> tuple:
     """(engine, hardware, cost model). The ceilings are measured before the engine takes its share
     of device memory (the KV cache is sized from what is free)."""
-    from ferry.engine.engine import LLMEngine, make_engine_config
+    from ferry.engine.engine import make_engine_config
 
     resolve_model_args(args)
     config = make_engine_config(args.model, **engine_kwargs(args))
     hw = hardware_from_args(args, args.device, config.model.dtype)
+    return build_engine(args, config), hw, ModelCost.from_model_config(config.model)
+
+
+def build_engine(args: argparse.Namespace, config):
+    """The engine of a benchmark; with --quiet-gc, garbage collected as the server's engine process
+    collects it (gc_settings.py), so the two compare."""
+    from ferry.engine.engine import LLMEngine
+
     engine = LLMEngine.from_config(config)
-    if args.quiet_gc:  # as the server's engine process does, so the two compare
+    if args.quiet_gc:
         quiet_gc()
-    return engine, hw, ModelCost.from_model_config(config.model)
+    return engine
 
 
 def length_range(values: list[int], name: str) -> tuple[int, int]:

@@ -49,9 +49,6 @@ class SchedulerOutput:
     # Requests this step's schedule() preempted (also in finished_request_ids, for the runner); they
     # wait again, to be recomputed. Nothing in a step needs them: they are there to be observed.
     preempted_request_ids: list[str] = field(default_factory=list)
-    # Scheduled tokens whose ids are still on the device (None in token_ids); 0 without
-    # asynchronous scheduling.
-    num_in_flight_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:

@@ -96,7 +96,7 @@ class Scheduler:
         copy_blocks: list[tuple[int, int]] = []
         self.kv_cache.begin_step()
         self._preempted_ids = []
-        num_in_flight = i = 0
+        i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if request.num_in_flight and len(request.output_token_ids) + request.num_in_flight >= request.max_tokens:
@@ -110,7 +110,6 @@ class Scheduler:
                 i += request.status is RequestStatus.RUNNING
                 continue
             scheduled.append(self._scheduled(request, num_new, new_blocks))
-            num_in_flight += scheduled[-1].token_ids[-1] is None  # only running requests have one
             budget -= num_new
             i += 1
         # Admitting new work right after a preemption would only thrash the pool.
@@ -122,7 +121,6 @@ class Scheduler:
             finished_request_ids=self._take_finished_ids(),
             copy_blocks=copy_blocks,
             preempted_request_ids=self._preempted_ids,
-            num_in_flight_tokens=num_in_flight,
         )
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:

@@ -117,7 +117,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return LaunchedStep([], output=ModelRunnerOutput([], []))
         scheduled = scheduler_output.scheduled
-        in_flight = self._in_flight(scheduled) if scheduler_output.num_in_flight_tokens else ([], [])
+        in_flight = self._in_flight(scheduled)
         graph_inputs = self.prepare_decode_graph(scheduled, in_flight[0])
         inputs = graph_inputs if graph_inputs is not None else self.prepare_inputs(scheduled, in_flight[0])
         self._fill_in_flight(*in_flight, inputs.input_ids)

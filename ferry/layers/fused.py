@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferry.attention.kernels.pdl import let_next_kernel_start, use_pdl, wait_for_previous_kernel
+from ferry.attention.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
 
 @triton.jit
@@ -65,8 +65,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         x, residual if residual is not None else x, weight, out,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, PDL=use_pdl(x.device),
-        num_warps=max(1, min(16, block // 256)), launch_pdl=use_pdl(x.device),
+        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        num_warps=max(1, min(16, block // 256)), **pdl_launch(x.device),
     )
     return out
 
@@ -142,8 +142,7 @@ def rotary_qk_(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         eps,
         NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), PDL=use_pdl(q.device), num_warps=1,
-        launch_pdl=use_pdl(q.device),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=1, **pdl_launch(q.device),
     )
 
 
@@ -171,7 +170,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     block = min(1024, triton.next_power_of_2(d))
-    pdl = use_pdl(x.device)
-    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block, PDL=pdl,
-                                                         num_warps=4, launch_pdl=pdl)
+    _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block,
+                                                         num_warps=4, **pdl_launch(x.device))
     return out

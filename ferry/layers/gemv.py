@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferry.attention.kernels.pdl import let_next_kernel_start, use_pdl, wait_for_previous_kernel
+from ferry.attention.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 from ferry.layers.linear import SMALL_BATCH_ROWS
 
 logger = logging.getLogger(__name__)
@@ -214,8 +214,7 @@ def _launch(x, weight, bias, config, silu_mul=False, residual=None, residual_out
         m, n, k, x.stride(0), weight.stride(0), n, residual.stride(0) if residual is not None else 0, eps,
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SILU_MUL=silu_mul, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, PDL=use_pdl(x.device), num_warps=config.num_warps, num_stages=1,
-        launch_pdl=use_pdl(x.device),
+        HAS_RESIDUAL=residual is not None, num_warps=config.num_warps, num_stages=1, **pdl_launch(x.device),
     )
     return y
 
@@ -389,8 +388,7 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Timings:
 def choose(times: Timings, rows: int, margin: float = WIN_MARGIN) -> GemvConfig | None:
     """The fastest candidate at `rows` rows if it takes at most `margin` of cuBLAS's time there
     (a clear win, not noise); else None."""
-    best = min(CANDIDATES, key=lambda c: times[rows, c])
-    return best if times[rows, best] <= margin * times[rows, None] else None
+    return fastest_path({(config, False): times[rows, config] for config in (None, *CANDIDATES)}, margin)[0]
 
 
 def _graph_time(fn, weights: list[torch.Tensor], calls: int = 32, replays: int = 10) -> float:

@@ -168,11 +168,12 @@ async def fold_chat(chunks: AsyncIterator[ChatCompletionChunk | TextDelta]) -> C
     async with aclosing(chunks):
         async for chunk in chunks:
             if isinstance(chunk, TextDelta):
-                _fold_choice(folded.setdefault(chunk.index, _Folded()), chunk.choice())
-                continue
-            head = head or chunk
-            usage = chunk.usage or usage
-            for choice in chunk.choices:
+                chunk_choices = [chunk.choice()]
+            else:
+                head = head or chunk
+                usage = chunk.usage or usage
+                chunk_choices = chunk.choices
+            for choice in chunk_choices:
                 _fold_choice(folded.setdefault(choice.index, _Folded()), choice)
     assert head is not None, "a chat stream always begins with its role chunks"
     choices = [

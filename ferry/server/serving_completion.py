@@ -226,7 +226,7 @@ async def fold_completion(chunks: AsyncIterator[CompletionResponse | TextDelta])
         async for chunk in chunks:
             if isinstance(chunk, TextDelta):
                 chunk_choices = [chunk.choice()]
-            else:  # the usage chunk, always last, always there: it gives the head
+            else:  # a pydantic chunk (with logprobs, or the usage chunk, always last, always there)
                 head = head or chunk
                 head.usage = chunk.usage or head.usage
                 chunk_choices = chunk.choices

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ferry.attention.kernels.launch import block_d, dot_precision, num_multiprocessors
 from ferry.attention.kernels.paged_tiles import LOG2_E, load_kv_tile, online_softmax_step
-from ferry.attention.kernels.pdl import let_next_kernel_start, use_pdl, wait_for_previous_kernel
+from ferry.attention.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
 # tl.dot needs at least 16 rows per operand.
 _MIN_DOT_ROWS = 16
@@ -193,8 +193,8 @@ def decode_attention(
         GROUP=group, BLOCK_H=max(_MIN_DOT_ROWS, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n,
-        DOT_PRECISION=dot_precision(q.dtype), PDL=use_pdl(q.device),
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=use_pdl(q.device),
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(q.device),
     )
     if num_splits == 1:
         return
@@ -204,10 +204,10 @@ def decode_attention(
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=config.block_n, PDL=use_pdl(q.device),
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=config.block_n,
         # One (BLOCK_S, head_dim) fp32 tile per program; 4 warps hold 64 splits x 128 dims at 64
         # values per thread (1 warp needed 181 registers for 33 splits).
-        num_warps=4, launch_pdl=use_pdl(q.device),
+        num_warps=4, **pdl_launch(q.device),
     )
 
 

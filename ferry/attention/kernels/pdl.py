@@ -42,6 +42,12 @@ def use_pdl(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
 
+def pdl_launch(device: torch.device) -> dict[str, bool]:
+    """A PDL kernel's launch arguments: its `PDL` constexpr and Triton's `launch_pdl`, which must agree."""
+    pdl = use_pdl(device)
+    return {"PDL": pdl, "launch_pdl": pdl}
+
+
 @triton.jit
 def let_next_kernel_start(PDL: tl.constexpr):
     """Tell the next kernel (launched with PDL) it may start; call it first thing."""

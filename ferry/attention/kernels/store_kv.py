@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ferry.attention.kernels.launch import floor_power_of_2, num_multiprocessors
-from ferry.attention.kernels.pdl import let_next_kernel_start, use_pdl, wait_for_previous_kernel
+from ferry.attention.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
 # One warp moves 32 lanes x 16 bytes = 512 bytes per vector instruction.
 _BYTES_PER_WARP = 32 * 16
@@ -72,9 +72,9 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         k, v, kv_cache, slot_mapping, num_tokens,
         k.stride(0), v.stride(0),
         kv_cache.stride(0),
-        ROW=row, BLOCK_T=block_t, BLOCK_ROW=triton.next_power_of_2(row), PDL=use_pdl(k.device),
+        ROW=row, BLOCK_T=block_t, BLOCK_ROW=triton.next_power_of_2(row),
         # One warp per 512 bytes of the tile: each lane moves one 16-byte vector per tensor.
-        num_warps=max(1, min(8, tile_bytes // _BYTES_PER_WARP)), launch_pdl=use_pdl(k.device),
+        num_warps=max(1, min(8, tile_bytes // _BYTES_PER_WARP)), **pdl_launch(k.device),
     )
 
 
