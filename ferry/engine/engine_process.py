@@ -5,8 +5,8 @@ own): the server's `AsyncEngine` starts it and talks to it over a local socket p
     engine loop:    inbox ─► add / abort ─► engine.step() ─► StepOutputs ─► encode ─► outbox
     writer thread:  outbox ─► socket
 
-The loop encodes each message itself (about 0.1 ms for 256 plain deltas in their short form,
-messages.py, on a 2-core CPU machine) and the writer only sends bytes, a wait that releases the GIL.
+The loop encodes each message itself (little work for plain deltas in their short form,
+messages.py) and the writer only sends bytes, a wait that releases the GIL.
 Encoding in the writer instead would not overlap with the GPU: with asynchronous scheduling the
 loop waits on the GPU only after preparing the next step, so a writer with Python work to do
 takes the GIL in the middle of that preparation (at every torch call that lets go of it) and

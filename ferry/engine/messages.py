@@ -11,7 +11,7 @@ channel is ever unpickled or imported by name.
 Step outputs are deltas (`RequestOutputKind.DELTA`) and leave out the prompt and its token ids:
 the server sent them, keeps them, and puts them back (`AsyncEngine`). Most of a step's outputs
 are one completion's new text and tokens, nothing else; those travel as a short row,
-`[request_id, text, token_ids, num_cached_tokens]`, which costs both ends a third of the full form or less
+`[request_id, text, token_ids, num_cached_tokens]`, which costs both ends much less than the full form
 (a step's message carries hundreds of them). Prompt logprobs travel once,
 in the first output that has all of them. With tracing on, a step's message also carries the
 traces of the requests that finished in it.
