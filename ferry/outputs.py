@@ -23,7 +23,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error" once finished
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -41,3 +41,6 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    # Set when the engine failed on this request (every completion's finish_reason is "error"): why.
+    # The engine goes on with the other requests.
+    error: str | None = None

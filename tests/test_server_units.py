@@ -61,7 +61,7 @@ def test_plain_deltas_travel_as_short_rows():
     message = StepOutputs([plain, *others])
     assert roundtrip(message) == message
     outputs = json.loads(encode(message)[HEADER_BYTES:])[1][0]
-    assert outputs[0] == ["r1", "hé", [5, 6], 32] and all(len(o) == 6 for o in outputs[1:])
+    assert outputs[0] == ["r1", "hé", [5, 6], 32] and all(len(o) == 7 for o in outputs[1:])
 
 
 @pytest.mark.parametrize("payload", [

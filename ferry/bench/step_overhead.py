@@ -71,7 +71,7 @@ def timed_step(engine: LLMEngine) -> dict[str, float]:
     runner_output = runner.collect(runner.sample(scheduler_output.scheduled, inputs, logits))
     t3 = time.perf_counter()
     updates = engine.scheduler.update_from_output(scheduler_output, runner_output)
-    outputs, stopped = engine.output_processor.process(updates)
+    outputs, stopped, _ = engine.output_processor.process(updates)
     t4 = time.perf_counter()
     assert len(outputs) == len(scheduler_output.scheduled) and not stopped
     return {

@@ -29,6 +29,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens, the context length, or a KV cache too small to hold it
     ABORT = "abort"  # the client went away or asked to cancel
+    ERROR = "error"  # the engine failed on this request (RequestOutput.error says how); others go on
 
     def __str__(self) -> str:
         return self.value

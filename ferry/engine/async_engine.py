@@ -53,6 +53,11 @@ class RequestAborted(RuntimeError):
     """The server ended the request before it finished (shutdown)."""
 
 
+class RequestError(RuntimeError):
+    """The engine failed on this request (a fault of the engine's, not of the request), and went
+    on with the others."""
+
+
 class AsyncEngine:
     def __init__(
         self, process: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: EngineInfo,
@@ -140,8 +145,10 @@ class AsyncEngine:
             self._send(AddRequest(request_id, prompt_token_ids, params, cache_salt))
             while not finished:
                 output = await stream.next_output()
-                output.prompt, output.prompt_token_ids = prompt, prompt_token_ids
                 finished = output.finished
+                if output.error is not None:
+                    raise RequestError(output.error)
+                output.prompt, output.prompt_token_ids = prompt, prompt_token_ids
                 yield output
         finally:
             del self._streams[request_id]
@@ -199,7 +206,7 @@ class AsyncEngine:
         elif isinstance(message, RequestFailed):
             stream = self._streams.get(message.request_id)
             if stream is not None:
-                stream.put(RequestRejected(message.message))
+                stream.put(RequestError(message.message) if message.internal else RequestRejected(message.message))
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead_reason is not None:
@@ -233,7 +240,8 @@ class _Stream:
             finally:
                 self._waiter = None
         item = self._items.popleft()
-        while self._items and isinstance(item, RequestOutput) and isinstance(self._items[0], RequestOutput):
+        while self._items and isinstance(item, RequestOutput) and isinstance(self._items[0], RequestOutput) \
+                and self._items[0].error is None:
             item = _merge_deltas(item, self._items.popleft())
         if isinstance(item, Exception):
             raise item
@@ -253,7 +261,7 @@ def _merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
     return RequestOutput(
         second.request_id, second.prompt, second.prompt_token_ids, completions, second.finished,
         first.prompt_logprobs if first.prompt_logprobs is not None else second.prompt_logprobs,
-        second.num_cached_tokens, second.metrics,
+        second.num_cached_tokens, second.metrics, second.error,
     )
 
 

@@ -19,6 +19,7 @@ request (see metrics/tracing.py); without one, tracing costs nothing.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -29,6 +30,7 @@ from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.outputs import SchedulerOutput
 from ferry.core.request import FinishReason, Request
 from ferry.core.scheduler import Scheduler
+from ferry.engine.faults import is_device_fault
 from ferry.engine.output_processor import OutputProcessor
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import SamplingParams
@@ -41,6 +43,8 @@ if TYPE_CHECKING:
 # A prompt is text, or a dict (vLLM's form): {"prompt_token_ids": [...]} or {"prompt": "..."}, with
 # an optional "cache_salt" that keeps its prefix-cache entries apart from other tenants'.
 PromptType = str | dict[str, Any]
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -61,6 +65,8 @@ class LLMEngine:
         )
         # Asynchronous scheduling: the launched step whose results have not been applied yet.
         self._in_flight: _Launched | None = None
+        # The steps scheduled and not yet applied (at most two): whose requests a failure ends.
+        self._unapplied: list[SchedulerOutput] = []
 
     @classmethod
     def from_config(cls, config: EngineConfig, tracer: RequestTracer | None = None) -> LLMEngine:
@@ -91,7 +97,7 @@ class LLMEngine:
                     child_id, token_ids, child_params, self.config.model.max_model_len,
                     self.eos_token_ids, arrival_time, cache_salt,
                 ))
-        except ValueError:
+        except Exception:
             self.abort_request(request_id)
             raise
         if self.tracer is not None:
@@ -145,6 +151,17 @@ class LLMEngine:
                 or self._in_flight is not None)
 
     def step(self) -> list[RequestOutput]:
+        """One step's outputs. An exception inside it fails the requests of the steps it was running
+        (finish_reason "error") and the engine goes on with the others; only a fault of the device
+        itself (a CUDA error: nothing on it can be trusted any more) propagates."""
+        try:
+            return self._step()
+        except Exception as error:
+            if is_device_fault(error):
+                raise
+            return self._fail_unapplied(error)
+
+    def _step(self) -> list[RequestOutput]:
         if not self.config.async_scheduling:
             return self._complete(self._launch())
         if self._in_flight is not None and not self._can_overlap():
@@ -162,6 +179,7 @@ class LLMEngine:
     def _launch(self) -> _Launched:
         start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        self._unapplied.append(scheduler_output)
         # A request's queue time ends when it is first scheduled (new: admitted, or resumed).
         self.output_processor.mark_scheduled([s.request_id for s in scheduler_output.scheduled if s.new], start)
         return _Launched(scheduler_output, self.model_runner.launch(scheduler_output), start)
@@ -169,13 +187,41 @@ class LLMEngine:
     def _complete(self, launched: _Launched, trace_end: float | None = None) -> list[RequestOutput]:
         runner_output = self.model_runner.collect(launched.step)
         updates = self.scheduler.update_from_output(launched.scheduler_output, runner_output)
-        outputs, stopped = self.output_processor.process(updates)
+        self._unapplied = [o for o in self._unapplied if o is not launched.scheduler_output]
+        outputs, stopped, failed = self.output_processor.process(updates)
         if stopped:
             self.scheduler.finish_requests(stopped, FinishReason.STOP)
+        if failed:
+            self.scheduler.finish_requests(failed, FinishReason.ERROR)
         if self.tracer is not None:
             end = time.monotonic() if trace_end is None else trace_end
             self.tracer.step(launched.scheduler_output, updates, launched.start, end)
             self.tracer.finished(stopped, str(FinishReason.STOP), end)
+            self.tracer.finished(failed, str(FinishReason.ERROR), end)
+        return outputs
+
+    def _fail_unapplied(self, error: Exception) -> list[RequestOutput]:
+        """After an exception in a step: fail every request of the steps scheduled and not yet
+        applied (the one that raised, and the one in flight before it). Their tokens in flight will
+        never arrive, so they are forgotten before the requests finish; what the others hold was
+        applied by earlier steps and stays true."""
+        logger.exception("a step failed; failing its requests and going on")
+        why = f"the engine failed on this step ({type(error).__name__}: {error})"
+        child_ids = {s.request_id for output in self._unapplied for s in output.scheduled}
+        self._unapplied.clear()
+        self._in_flight = None
+        outputs = []
+        for request_id in sorted({p for c in child_ids if (p := self.output_processor.parent_id(c)) is not None}):
+            output, children = self.output_processor.fail(request_id, why)
+            outputs.append(output)
+            child_ids.update(children)
+        for child_id in child_ids:
+            request = self.scheduler.requests.get(child_id)
+            if request is not None:
+                request.num_in_flight = 0
+        self.scheduler.finish_requests(sorted(child_ids), FinishReason.ERROR)
+        if self.tracer is not None:
+            self.tracer.finished(sorted(child_ids), str(FinishReason.ERROR), time.monotonic())
         return outputs
 
     def _can_overlap(self) -> bool:
@@ -192,8 +238,9 @@ class _Launched:
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    # Each of the n sequences samples on its own stream; with a seed they stay reproducible.
-    seed = None if params.seed is None else params.seed + index
+    # Each of the n sequences samples on its own stream; with a seed they stay reproducible, and in
+    # the range of a 64-bit seed (2**64 - 1 plus an index wraps around).
+    seed = None if params.seed is None else (params.seed + index) % 2**64
     return replace(params, n=1, seed=seed)
 
 

@@ -40,6 +40,7 @@ from ferry.engine.messages import (
     HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, Message,
     RequestFailed, Shutdown, StepOutputs, decode, encode, frame_length,
 )
+from ferry.engine.faults import is_device_fault
 from ferry.gc_settings import quiet_gc
 from ferry.metrics.tracing import RequestTrace, RequestTracer
 from ferry.outputs import RequestOutput
@@ -208,8 +209,14 @@ class EngineLoop:
         prompt = {"prompt_token_ids": message.prompt_token_ids, "cache_salt": message.cache_salt}
         try:
             self.engine.add_request(message.request_id, prompt, message.params)
-        except ValueError as e:
+        except ValueError as e:  # the request's fault
             self._post(RequestFailed(message.request_id, str(e)))
+            return
+        except Exception as e:  # the engine's: that request fails, the engine goes on
+            if is_device_fault(e):
+                raise
+            logging.getLogger(__name__).exception("adding request %s failed", message.request_id)
+            self._post(RequestFailed(message.request_id, f"{type(e).__name__}: {e}", internal=True))
             return
         self._prompt_tokens_total += len(message.prompt_token_ids)
 

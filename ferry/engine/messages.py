@@ -135,17 +135,19 @@ class StepOutputs:
 
 @dataclass(frozen=True)
 class RequestFailed:
-    """The engine refused a request (its ValueError message); the engine itself is fine."""
+    """The engine refused a request (its ValueError message), or failed to add it (`internal`: a
+    fault of the engine's, not of the request); either way the engine itself goes on."""
 
     request_id: str
     message: str
+    internal: bool = False
 
     def to_json(self) -> Any:
-        return [self.request_id, self.message]
+        return [self.request_id, self.message, self.internal]
 
     @classmethod
     def from_json(cls, body: Any) -> RequestFailed:
-        return cls(_str(body[0]), _str(body[1]))
+        return cls(_str(body[0]), _str(body[1]), bool(body[2]))
 
 
 @dataclass(frozen=True)
@@ -240,6 +242,7 @@ def _output_to_json(output: RequestOutput) -> list:
         _logprobs_list_to_json(output.prompt_logprobs),
         output.num_cached_tokens,
         output.metrics,
+        output.error,
     ]
 
 
@@ -248,7 +251,7 @@ def _output_from_json(body: list) -> RequestOutput:
         request_id, text, token_ids, num_cached = body
         return RequestOutput(_str(request_id), None, [], [CompletionOutput(0, _str(text), _int_list(token_ids))],
                              False, num_cached_tokens=int(num_cached))
-    request_id, finished, completions, prompt_logprobs, num_cached, metrics = body
+    request_id, finished, completions, prompt_logprobs, num_cached, metrics, error = body
     return RequestOutput(
         request_id=_str(request_id),
         prompt=None,
@@ -258,6 +261,7 @@ def _output_from_json(body: list) -> RequestOutput:
         prompt_logprobs=_logprobs_list_from_json(prompt_logprobs),
         num_cached_tokens=int(num_cached),
         metrics={str(k): float(v) for k, v in metrics.items()},
+        error=None if error is None else _str(error),
     )
 
 

@@ -128,36 +128,73 @@ class OutputProcessor:
     def num_unfinished_requests(self) -> int:
         return len(self._requests)
 
-    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's updates. Returns the outputs to hand out and the sequence ids that a
-        stop string has finished (the scheduler still holds their KV blocks)."""
+    def process(self, updates: list[RequestUpdate]) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """Apply one step's updates. Returns the outputs to hand out, the sequence ids that a
+        stop string has finished, and those of requests that failed here (detokenizing, stop
+        strings, logprobs: an exception fails its request alone, see `fail`). The scheduler still
+        holds the KV blocks of both."""
         touched: dict[str, _RequestState] = {}
         stopped: list[str] = []
+        failed: dict[str, str] = {}  # request id -> why
         for update in updates:
             entry = self._children.get(update.request_id)
             if entry is None:
                 continue  # aborted
             state, completion = entry
             touched[state.request_id] = state
-            state.num_cached_tokens = update.num_cached_tokens
-            if update.prompt_logprobs is not None and completion.index == 0:
-                self._add_prompt_logprobs(state, *update.prompt_logprobs)
-            if self._add_tokens(completion, update):
-                stopped.append(update.request_id)
+            try:
+                state.num_cached_tokens = update.num_cached_tokens
+                if update.prompt_logprobs is not None and completion.index == 0:
+                    self._add_prompt_logprobs(state, *update.prompt_logprobs)
+                if self._add_tokens(completion, update):
+                    stopped.append(update.request_id)
+            except Exception as error:
+                failed.setdefault(state.request_id, _why(error))
             if completion.finish_reason is not None:
                 del self._children[update.request_id]
         now = time.monotonic()
         outputs = []
         for state in touched.values():
+            if state.request_id in failed:
+                continue
             if state.first_token_time is None and any(c.token_ids for c in state.completions):
                 state.first_token_time = now
             finished = state.finished
-            output = self._make_output(state, finished)
+            try:
+                output = self._make_output(state, finished)
+            except Exception as error:
+                failed[state.request_id] = _why(error)
+                continue
             if output is not None:
                 outputs.append(output)
             if finished:
                 del self._requests[state.request_id]
-        return outputs, stopped
+        failed_ids: list[str] = []
+        for request_id, why in failed.items():
+            output, child_ids = self.fail(request_id, why)
+            outputs.append(output)
+            failed_ids += child_ids
+        stopped = [i for i in stopped if i not in failed_ids]
+        return outputs, stopped, failed_ids
+
+    def fail(self, request_id: str, why: str) -> tuple[RequestOutput, list[str]]:
+        """End a request with an error: its final output (finish_reason "error", `error` = why) and
+        its sequences' ids, for the scheduler to finish. Works on whatever state the request is in."""
+        state = self._requests.get(request_id)
+        params = state.params if state is not None else None
+        child_ids = self.abort_request(request_id)
+        n = params.n if params is not None else 1
+        output = RequestOutput(
+            request_id, state.prompt if state else None, state.prompt_token_ids if state else [],
+            [CompletionOutput(i, "", [], None, None, str(FinishReason.ERROR)) for i in range(n)], True,
+            error=why, metrics=self._metrics(state) if state is not None else {},
+        )
+        return output, child_ids
+
+    def parent_id(self, child_id: str) -> str | None:
+        """The request a sequence belongs to (None once it has finished)."""
+        entry = self._children.get(child_id)
+        return entry[0].request_id if entry is not None else None
 
     def _add_tokens(self, completion: _Completion, update: RequestUpdate) -> bool:
         """Append new tokens and their text; True when a stop string ended a running completion."""
@@ -288,3 +325,7 @@ class OutputProcessor:
         if state.first_token_time is not None:
             metrics["first_token_time"] = state.first_token_time
         return metrics
+
+
+def _why(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"

@@ -43,8 +43,9 @@ class SamplingRow:
 
 def request_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """The generator a seeded request keeps for its whole life; every random draw of that request,
-    and only of that request, comes from it, so its tokens do not depend on its batch mates."""
-    return torch.Generator(device=device).manual_seed(seed)
+    and only of that request, comes from it, so its tokens do not depend on its batch mates. Any
+    integer is a seed: it is taken modulo 2**64 (what torch does with a negative one anyway)."""
+    return torch.Generator(device=device).manual_seed(seed % 2**64)
 
 
 @dataclass(frozen=True)

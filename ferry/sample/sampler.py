@@ -69,7 +69,9 @@ class Sampler:
         _check_generators(rows)
         logits = logits.float()
         if needs_adjusting(rows):
-            logits = apply_suppression_(apply_penalties_(logits.clone(), rows), rows)
+            # A penalty at the edge of float64 (a repetition_penalty that is 0 or inf in float32)
+            # can make a logit inf or NaN; `finite` keeps the order of the rest.
+            logits = apply_suppression_(finite_(apply_penalties_(logits.clone(), rows)), rows)
         sampled = [i for i, row in enumerate(rows) if not row.greedy]
         if not sampled:
             return logits.argmax(dim=-1)
@@ -83,10 +85,10 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """logits: (R, vocab), not modified -> (R,) int64 token ids."""
         params = RandomRowParams.from_rows(rows, logits.shape[-1], logits.device)
-        probs = (logits / params.temperature.unsqueeze(1)).softmax(dim=-1)  # (R, vocab)
+        probs = finite_(logits / params.temperature.unsqueeze(1)).softmax(dim=-1)  # (R, vocab)
         if params.truncates:
             probs.masked_fill_(probs < truncation_threshold(probs, params), 0.0)
-        return inverse_cdf(probs, self._uniforms(rows, logits.device))
+        return inverse_cdf(probs, self._uniforms(rows, logits.device), logits)
 
     def _uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
         """(R, 1) uniform numbers in [0, 1): rows with a generator draw from it, the rest from ours."""
@@ -102,17 +104,28 @@ class Sampler:
         return u
 
 
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs (R, vocab) >= 0, not necessarily normalized; u (R, 1) in [0, 1) -> (R,) token ids.
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+    """probs (R, vocab) >= 0, not necessarily normalized; u (R, 1) in [0, 1) -> (R,) token ids,
+    always in [0, vocab).
 
     Token j owns the interval [cdf[j-1], cdf[j]) of [0, total): a token of zero probability owns
-    an empty one, so it is never chosen, even where u is 0.
+    an empty one, so it is never chosen, even where u is 0. A row with no mass to sample from (every
+    token banned, or NaN from the model) takes the argmax of its `logits` (token 0 without them):
+    one bad row must not hand the next step an id outside the embedding.
     """
     cdf = probs.cumsum(dim=-1)  # (R, vocab), non-decreasing
     # u <= 1 - 2**-24 (torch.rand's float32 grid), so u * total rounds to below total and some
     # cdf entry exceeds it.
-    x = u * cdf[:, -1:]  # (R, 1)
-    return torch.searchsorted(cdf, x, right=True).squeeze(1)
+    total = cdf[:, -1:]  # (R, 1)
+    token_ids = torch.searchsorted(cdf, u * total, right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+    fallback = logits.argmax(dim=-1) if logits is not None else torch.zeros_like(token_ids)
+    return torch.where((total > 0).squeeze(1), token_ids, fallback)  # NaN > 0 is False
+
+
+def finite_(logits: torch.Tensor) -> torch.Tensor:
+    """logits with NaN as -inf (never chosen) and +inf as the largest float (chosen first), in place:
+    the softmax of a row holding +inf or NaN is NaN everywhere."""
+    return torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
 def _check_generators(rows: Sequence[SamplingRow]) -> None:

@@ -53,8 +53,8 @@ def _kth_largest(probs: torch.Tensor, k: torch.Tensor, max_k: int) -> torch.Tens
 def _nucleus_threshold(probs: torch.Tensor, floor: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """probs (S, vocab), floor (S, 1) the top-k threshold, p (S,) -> (S, 1) the top-p threshold.
 
-    A token is in the nucleus when the mass of the tokens more likely than it is still below p,
-    so the most likely token always is.
+    A token is in the nucleus when the mass of the tokens more likely than it is still below p;
+    the most likely token always is.
     """
     kept = torch.where(probs >= floor, probs, 0.0)  # (S, vocab): what top-k left
     wanted_mass = p.unsqueeze(1) * kept.sum(dim=-1, keepdim=True)  # (S, 1)
@@ -73,8 +73,9 @@ def _nucleus_among(
     tokens of non-zero probability may follow."""
     values = kept.topk(min(num_candidates, kept.shape[-1]), dim=-1).values  # (S, C), largest first
     mass_above = F.pad(values.cumsum(dim=-1)[:, :-1], (1, 0))  # (S, C): mass of the tokens before
-    in_nucleus = mass_above < wanted_mass  # (S, C): a prefix of each row, never empty
-    last = in_nucleus.sum(dim=-1, keepdim=True) - 1  # (S, 1)
+    in_nucleus = mass_above < wanted_mass  # (S, C): a prefix of each row
+    # The most likely token is in every nucleus, also where p * mass rounds to 0 (a top_p of 1e-300).
+    last = (in_nucleus.sum(dim=-1, keepdim=True) - 1).clamp_(min=0)  # (S, 1)
     found = ~in_nucleus[:, -1] | (values[:, -1] == 0) | (values.shape[-1] == kept.shape[-1])
     return values.gather(1, last), found
 

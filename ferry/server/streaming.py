@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from ferry.engine.async_engine import EngineDeadError, RequestAborted, RequestRejected
+from ferry.engine.async_engine import EngineDeadError, RequestAborted, RequestError, RequestRejected
 from ferry.server.errors import ApiError, bad_request
 from ferry.server.protocol import TextDelta
 
@@ -37,6 +37,9 @@ def api_error(error: Exception) -> ApiError | None:
         return ApiError(503, "the engine is not running", code="engine_dead")
     if isinstance(error, RequestAborted):
         return ApiError(503, f"the request was aborted: {error}", code="aborted")
+    if isinstance(error, RequestError):
+        return ApiError(500, f"the engine failed on this request and went on with the others: {error}",
+                        code="engine_error")
     return None
 
 
