@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,6 +36,7 @@ API_KEY = "sk-ferry-test"
 MAX_MODEL_LEN = 512  # the tiny model's max_position_embeddings
 MAX_PENDING = 64
 MAX_BODY_BYTES = 1 << 20
+JSON = {"Content-Type": "application/json"}
 
 
 # ---- the model and the servers ----
@@ -428,14 +430,14 @@ def test_malformed_or_non_object_json(http, raw):
 
 def test_oversized_body_gets_413(http):
     body = json.dumps({"prompt": "x" * (MAX_BODY_BYTES + 10)}).encode()
-    _check_error(http.post("/v1/completions", content=body), 413, None)
+    _check_error(http.post("/v1/completions", content=body, headers=JSON), 413, None)
 
     def chunked():  # no Content-Length: counted while reading
         for _ in range(3):
             yield b" " * (MAX_BODY_BYTES // 2)
         yield b"{}"
 
-    _check_error(http.post("/v1/completions", content=chunked()), 413, None)
+    _check_error(http.post("/v1/completions", content=chunked(), headers=JSON), 413, None)
     _still_serving(http)
 
 
@@ -475,7 +477,7 @@ def test_api_key_sweep(server):
                 assert response.status_code == 200, (path, headers)
             else:
                 assert response.status_code == 401, (path, method, headers, response.status_code)
-                assert response.json()["error"]["code"] == "invalid_api_key"
+                assert method == "HEAD" or response.json()["error"]["code"] == "invalid_api_key"
         response = httpx.request(method, server.url + path, json={"prompt": "Hi", "max_tokens": 1, "tokens": [1],
                                                                   "messages": CHAT},
                                  headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
@@ -586,8 +588,56 @@ def test_backpressure_and_sigterm_drain(spare_server):
     assert "the engine process exited with code" not in srv.log() and "terminate called" not in srv.log()
 
 
-def test_engine_death_turns_health_503(spare_server):
-    srv = spare_server()
+def test_kill_9_fails_the_requests_in_flight_at_once_and_a_new_engine_serves(spare_server):
+    """kill -9 of the engine with 20 requests in flight (10 streamed, 10 not): each ends with an
+    error within 1 s, /health is 503 until a new engine is up, and a new request succeeds within
+    30 s, from the same server; ferry:engine_restarts_total counts it."""
+    srv = spare_server("--max-num-seqs", "8")
+    body = {"prompt": "Once upon a time", "max_tokens": 480, "ignore_eos": True}
+    ended: list[tuple[float, str]] = []
+
+    async def streaming(c):
+        async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            events = [line async for line in response.aiter_lines() if line.startswith("data: ")]
+        ended.append((time.monotonic(), json.loads(events[-2][6:])["error"]["code"]))
+        assert events[-1] == "data: [DONE]"
+
+    async def plain(c):
+        response = await c.post("/v1/completions", json=body)
+        ended.append((time.monotonic(), response.json()["error"]["code"]))
+        assert response.status_code == 503
+
+    async def run() -> float:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+            tasks = [asyncio.create_task(f(c)) for _ in range(10) for f in (streaming, plain)]
+            deadline = time.monotonic() + 20
+            while metric_values_of(await c.get("/metrics"))["ferry:num_requests_waiting"] < 12:
+                assert time.monotonic() < deadline, "the requests never got going"
+                await asyncio.sleep(0.02)
+            killed = time.monotonic()
+            os.kill(srv.engine_pid(), signal.SIGKILL)
+            await asyncio.gather(*tasks)
+            return killed
+
+    killed = asyncio.run(run())
+    assert len(ended) == 20 and {code for _, code in ended} == {"engine_dead"}
+    assert max(t for t, _ in ended) - killed < 1.0
+    assert httpx.get(srv.url + "/health").status_code == 503
+    deadline = time.monotonic() + 30
+    while (response := httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4})).status_code != 200:
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_restarting"
+        assert time.monotonic() - killed < 30, "no new engine within 30 s"
+        time.sleep(0.1)
+    assert response.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert metric_values_of(httpx.get(srv.url + "/metrics"))["ferry:engine_restarts_total"] == 1
+    srv.proc.send_signal(signal.SIGTERM)
+    assert srv.proc.wait(30) == 0
+
+
+def test_without_restarts_a_dead_engine_stays_dead(spare_server):
+    srv = spare_server("--engine-restarts", "0")
     os.kill(srv.engine_pid(), signal.SIGKILL)
     deadline = time.monotonic() + 10
     while httpx.get(srv.url + "/health").status_code != 503:
@@ -597,6 +647,32 @@ def test_engine_death_turns_health_503(spare_server):
     assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
     srv.proc.send_signal(signal.SIGTERM)
     assert srv.proc.wait(30) == 0
+
+
+def test_a_server_whose_engine_will_not_start_again_exits_non_zero(tiny_model, tmp_path):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    srv = ServerProcess(model, tmp_path / "server.log", "--engine-restarts", "2").wait_ready()
+    try:
+        (model / "config.json").unlink()  # every new engine process now fails to load the model
+        os.kill(srv.engine_pid(), signal.SIGKILL)
+        assert srv.proc.wait(60) == 1
+        assert "no engine process would start after 2 attempts" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_a_busy_port_fails_before_the_model_loads(server, tiny_model, tmp_path):
+    command = [sys.executable, "-m", "ferry", "serve", "--model", str(tiny_model), "--port", str(server.port)]
+    started = time.monotonic()
+    result = subprocess.run(command, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode != 0 and "address already in use" in result.stderr.lower()
+    assert "engine" not in result.stderr.lower() and time.monotonic() - started < 20
+
+
+def metric_values_of(response) -> dict[str, float]:
+    return {s.name: s.value for family in text_string_to_metric_families(response.text) for s in family.samples}
 
 
 def test_drain_timeout_aborts_what_is_left(spare_server):

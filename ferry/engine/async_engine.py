@@ -11,18 +11,23 @@ not one per token.
 
 Leaving a `generate` loop early (a client that went away, a cancelled task) aborts the request in
 the engine, which frees its KV blocks at once. When the engine process dies, every stream fails
-with `EngineDeadError` and `is_alive` turns False for good. Started with `trace=True`, the engine
-sends the traces of the requests that finish, and `trace_sink` gets them.
+with `EngineDeadError` at once and `is_alive` turns False. Given a `RestartPolicy`, the engine is
+then supervised: a new process starts (`is_restarting`, with backoff between failed starts) and
+`is_alive` is True again once it is ready; without one, or when no start succeeds, it stays dead.
+Started with `trace=True`, the engine sends the traces of the requests that finish, and
+`trace_sink` gets them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import multiprocessing
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,56 +63,82 @@ class RequestError(RuntimeError):
     on with the others."""
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How the server brings a dead engine back: a new process at once, then after waits that
+    double from backoff_s up to max_backoff_s, until one starts; after max_attempts failed starts in
+    a row it gives up (and the server exits non-zero, for systemd or Kubernetes to act)."""
+
+    max_attempts: int = 5
+    backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+
+    def waits(self) -> list[float]:
+        """The wait before each attempt."""
+        return [0.0] + [min(self.backoff_s * 2**i, self.max_backoff_s) for i in range(self.max_attempts - 1)]
+
+
+@dataclass
+class _EngineProcess:
+    """One engine process and the server's end of its channel."""
+
+    process: Any
+    reader: asyncio.StreamReader
+    writer: asyncio.StreamWriter
+    info: EngineInfo
+
+
+Launcher = Callable[[], Awaitable[_EngineProcess]]
+
+
 class AsyncEngine:
     def __init__(
-        self, process: Any, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: EngineInfo,
-        tokenizer: Tokenizer | None,
+        self, launch: Launcher, first: _EngineProcess, tokenizer: Tokenizer | None,
+        restart: RestartPolicy | None = None, on_give_up: Callable[[str], None] | None = None,
     ) -> None:
-        self.info = info
+        self.info = first.info
         self.tokenizer = tokenizer
         self.stats = EngineStats()
         self.trace_sink: Callable[[list[RequestTrace]], None] | None = None
-        self._process = process
-        self._reader = reader
-        self._writer = writer
+        self.num_restarts = 0  # engine processes started after the first
+        self._launch = launch
+        self._restart = restart
+        self._on_give_up = on_give_up
         self._streams: dict[str, _Stream] = {}
         self._dead_reason: str | None = None
-        self._read_task = asyncio.create_task(self._read_loop())
+        self._shutting_down = False
+        self._restart_task: asyncio.Task | None = None
+        self._attach(first)
+
+    def _attach(self, engine: _EngineProcess) -> None:
+        self._engine = engine
+        self._dead_reason = None
+        self._read_task = asyncio.create_task(self._read_loop(engine))
 
     @classmethod
     async def start(
         cls, model: str | Path, engine_kwargs: dict[str, Any], threads: int | None = None,
-        timeout_s: float = 900.0, trace: bool = False,
+        timeout_s: float = 900.0, trace: bool = False, restart: RestartPolicy | None = None,
+        on_give_up: Callable[[str], None] | None = None,
     ) -> AsyncEngine:
         """Spawn the engine process, wait until its model is loaded, and load the tokenizer here
         (the server tokenizes, so the engine's core spends its time on the model). With `trace`,
-        the engine traces every request (see metrics/tracing.py)."""
+        the engine traces every request (see metrics/tracing.py). With `restart`, an engine process
+        that dies is replaced (see RestartPolicy); `on_give_up(reason)` runs if none will start."""
         return await cls.spawn(run_engine_process, (str(model), engine_kwargs, threads, trace),
-                               lambda: _load_tokenizer(Path(model)), timeout_s)
+                               lambda: _load_tokenizer(Path(model)), timeout_s, restart=restart,
+                               on_give_up=on_give_up)
 
     @classmethod
     async def spawn(
         cls, target: Callable[..., None], args: tuple, tokenizer: Callable[[], Tokenizer | None] = lambda: None,
-        timeout_s: float = 900.0, name: str = "ferry-engine",
+        timeout_s: float = 900.0, name: str = "ferry-engine", restart: RestartPolicy | None = None,
+        on_give_up: Callable[[str], None] | None = None,
     ) -> AsyncEngine:
         """Run target(socket, *args) in a spawned process that speaks the engine's channel (the engine
         process, or a stand-in for benchmarks) and wait for its EngineReady."""
-        parent_sock, child_sock = socket.socketpair()
-        # spawn, not fork: a forked copy of a server with threads and an event loop is unsafe.
-        process = multiprocessing.get_context("spawn").Process(target=target, args=(child_sock, *args), name=name)
-        process.start()
-        child_sock.close()  # the child holds its own copy; ours would hide the child's exit from us
-        reader, writer = await asyncio.open_unix_connection(sock=parent_sock)
-        try:
-            first = await asyncio.wait_for(_read_message(reader), timeout_s)
-        except (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError) as e:
-            process.kill()
-            raise RuntimeError(f"the engine process did not start: {e!r}") from None
-        if isinstance(first, EngineFailed):
-            raise RuntimeError(f"the engine process failed to start:\n{first.message}")
-        if not isinstance(first, EngineReady):
-            raise RuntimeError(f"the engine process sent {type(first).__name__} before EngineReady")
-        return cls(process, reader, writer, first.info, tokenizer())
+        launch = functools.partial(_launch_process, target, args, timeout_s, name)
+        return cls(launch, await launch(), tokenizer(), restart, on_give_up)
 
     # ---- state ----
 
@@ -116,13 +147,18 @@ class AsyncEngine:
         return self._dead_reason is None
 
     @property
+    def is_restarting(self) -> bool:
+        """Dead, and a new engine process is on its way."""
+        return self._restart_task is not None
+
+    @property
     def num_in_flight(self) -> int:
         """Requests sent to the engine and not finished yet."""
         return len(self._streams)
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid
+        return self._engine.process.pid
 
     # ---- requests ----
 
@@ -162,30 +198,26 @@ class AsyncEngine:
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the engine process: ask, wait up to timeout_s, then kill."""
+        self._shutting_down = True
+        if self._restart_task is not None:
+            self._restart_task.cancel()
+            await asyncio.gather(self._restart_task, return_exceptions=True)
         if self.is_alive:
             self._send(Shutdown())
         self._mark_dead("the engine was shut down")
-        self._writer.close()
-        process = self._process
-        await asyncio.to_thread(process.join, timeout_s)
-        if process.is_alive():
-            logger.warning("the engine process did not stop in %.0f s: killing it", timeout_s)
-            process.kill()
-            await asyncio.to_thread(process.join, 5.0)
-        elif process.exitcode != 0:
-            logger.warning("the engine process exited with code %s", process.exitcode)
+        await _stop(self._engine, timeout_s)
         self._read_task.cancel()
 
     # ---- the channel ----
 
     def _send(self, message: Message) -> None:
-        self._writer.write(encode(message))
+        self._engine.writer.write(encode(message))
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, engine: _EngineProcess) -> None:
         reason = "the engine process exited"
         try:
             while True:
-                message = await _read_message(self._reader)
+                message = await _read_message(engine.reader)
                 if isinstance(message, EngineFailed):
                     reason = f"the engine process failed:\n{message.message}"
                     break
@@ -193,6 +225,30 @@ class AsyncEngine:
         except (asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
             reason = f"the engine process exited ({e!r})"
         self._mark_dead(reason)
+        if not self._shutting_down and self._restart is not None:
+            logger.error("%s; starting a new engine process", reason)
+            self._restart_task = asyncio.create_task(self._restart_engine(reason))
+
+    async def _restart_engine(self, reason: str) -> None:
+        """Replace the dead engine process (its requests have failed already), or give up."""
+        await _stop(self._engine, timeout_s=5.0)
+        for attempt, wait in enumerate(self._restart.waits(), start=1):
+            await asyncio.sleep(wait)
+            try:
+                engine = await self._launch()
+            except Exception as error:
+                logger.error("engine restart %d of %d failed: %s", attempt, self._restart.max_attempts, error)
+                reason = str(error)
+                continue
+            self.num_restarts += 1
+            self._restart_task = None
+            self._attach(engine)
+            logger.warning("a new engine process is ready (pid %s, restart %d)", engine.process.pid, self.num_restarts)
+            return
+        self._restart_task = None
+        logger.critical("no engine process would start after %d attempts: giving up", self._restart.max_attempts)
+        if self._on_give_up is not None:
+            self._on_give_up(reason)
 
     def _dispatch(self, message: Message) -> None:
         if isinstance(message, StepOutputs):
@@ -263,6 +319,44 @@ def _merge_deltas(first: RequestOutput, second: RequestOutput) -> RequestOutput:
         first.prompt_logprobs if first.prompt_logprobs is not None else second.prompt_logprobs,
         second.num_cached_tokens, second.metrics, second.error,
     )
+
+
+async def _launch_process(target: Callable[..., None], args: tuple, timeout_s: float, name: str) -> _EngineProcess:
+    """Spawn target(socket, *args) and wait for its EngineReady."""
+    parent_sock, child_sock = socket.socketpair()
+    # spawn, not fork: a forked copy of a server with threads and an event loop is unsafe.
+    process = multiprocessing.get_context("spawn").Process(target=target, args=(child_sock, *args), name=name)
+    process.start()
+    child_sock.close()  # the child holds its own copy; ours would hide the child's exit from us
+    reader, writer = await asyncio.open_unix_connection(sock=parent_sock)
+    try:
+        first = await asyncio.wait_for(_read_message(reader), timeout_s)
+    except BaseException as e:  # a cancelled start (shutdown) leaves no process behind either
+        process.kill()
+        writer.close()
+        if isinstance(e, (asyncio.IncompleteReadError, ConnectionError, asyncio.TimeoutError)):
+            raise RuntimeError(f"the engine process did not start: {e!r}") from None
+        raise
+    if not isinstance(first, EngineReady):
+        process.kill()
+        writer.close()
+        if isinstance(first, EngineFailed):
+            raise RuntimeError(f"the engine process failed to start:\n{first.message}")
+        raise RuntimeError(f"the engine process sent {type(first).__name__} before EngineReady")
+    return _EngineProcess(process, reader, writer, first.info)
+
+
+async def _stop(engine: _EngineProcess, timeout_s: float) -> None:
+    """Close the channel, wait up to timeout_s for the process to end, then kill it."""
+    engine.writer.close()
+    process = engine.process
+    await asyncio.to_thread(process.join, timeout_s)
+    if process.is_alive():
+        logger.warning("the engine process did not stop in %.0f s: killing it", timeout_s)
+        process.kill()
+        await asyncio.to_thread(process.join, 5.0)
+    elif process.exitcode != 0:
+        logger.warning("the engine process exited with code %s", process.exitcode)
 
 
 async def _read_message(reader: asyncio.StreamReader) -> Message:

@@ -11,6 +11,7 @@ The engine starts with the app (lifespan) and stops with it. Routes reach it onl
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -30,7 +31,9 @@ from ferry.server.auth import ApiKeyMiddleware
 from ferry.server.config import ServerConfig
 from ferry.server.errors import ApiError, bad_request, error_response, handle_http_exception, handle_unexpected
 from ferry.server.metrics import CONTENT_TYPE, ServerMetrics
-from ferry.server.preprocess import chat_prompt, check_model, check_token_ids, parse_body
+from ferry.server.openapi import openapi_json
+from ferry.server.origins import add_origin_policy
+from ferry.server.preprocess import M, chat_prompt, check_model, check_text_length, check_token_ids, parse_body
 from ferry.server.protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, DetokenizeResponse, ModelCard, ModelList,
     SamplingFields, TokenizeRequest, TokenizeResponse,
@@ -41,20 +44,35 @@ from ferry.server.streaming import EventStreamResponse, api_error, sse_events, u
 from ferry.server.traces import TraceLog
 
 EngineStarter = Callable[[], Awaitable[AsyncEngine]]
+logger = logging.getLogger("ferry.server")
 
 
 class ServerState:
     """What the routes share: the engine, admission, metrics, traces, and the two serving paths."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, on_fatal: Callable[[str], None] | None = None) -> None:
         self.config = config
-        self.admission = Admission(config.max_pending_requests)
-        self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else EngineStats())
+        self.admission = Admission(config.max_pending_requests, config.max_queue_wait_s)
+        self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else EngineStats(),
+                                     lambda: self.engine.num_restarts if self.engine is not None else 0)
         self.traces = TraceLog(Path(config.trace_dir)) if config.trace_dir is not None else None
         self.engine: AsyncEngine | None = None
         self.completions: CompletionServing | None = None
         self.chat: ChatServing | None = None
         self.started = int(time.time())
+        self.on_fatal = on_fatal  # the server cannot go on (no engine will start): exit non-zero
+
+    async def start(self, start_engine: EngineStarter) -> None:
+        """Start the engine while the server already answers (/health is 503 until it is ready)."""
+        try:
+            engine = await start_engine()
+        except Exception as error:
+            logger.critical("the engine did not start: %s", error)
+            if self.on_fatal is not None:
+                self.on_fatal(f"the engine did not start: {error}")
+            return
+        self.attach(engine)
+        quiet_gc()  # start-up is over: what lives now lives as long as the server
 
     def attach(self, engine: AsyncEngine) -> None:
         self.engine = engine
@@ -63,11 +81,26 @@ class ServerState:
         self.completions = CompletionServing(engine, self.config, self.metrics)
         self.chat = ChatServing(engine, self.config, self.metrics)
 
-    async def respond(self, request: Request, serving: CompletionServing | ChatServing, body: SamplingFields) -> Response:
-        """Plan the request, admit its engine requests, then stream its chunks or send their fold."""
-        plan = serving.plan(body, arrival_time(request))
-        if self.engine is None or not self.engine.is_alive:
-            raise ApiError(503, "the engine is not running", code="engine_dead")
+    def ready_engine(self) -> AsyncEngine:
+        """The engine, or ApiError 503 while it starts, restarts or is dead."""
+        engine = self.engine
+        if engine is not None and engine.is_alive:
+            return engine
+        if engine is None:
+            raise ApiError(503, "the engine is starting", code="engine_starting", headers={"Retry-After": "5"})
+        if engine.is_restarting:
+            raise ApiError(503, "the engine is restarting after a failure", code="engine_restarting",
+                           headers={"Retry-After": "5"})
+        raise ApiError(503, "the engine is not running", code="engine_dead")
+
+    async def respond(self, request: Request, kind: str, body: SamplingFields) -> Response:
+        """Plan the request, admit its engine requests, then stream its chunks or send their fold.
+        Planning (tokenization, the chat template) runs off the event loop: a long prompt or a slow
+        template must not stall every other client."""
+        self.ready_engine()
+        serving = self.completions if kind == "completions" else self.chat
+        plan = await asyncio.to_thread(serving.plan, body, arrival_time(request))
+        self.ready_engine()
         ticket = self.admission.admit(plan.num_engine_requests)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -99,29 +132,35 @@ class ServerState:
                 await asyncio.sleep(0.05)
 
 
-def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
-    """The app; `start_engine` runs when the server starts (lifespan), and the engine stops with it."""
-    state = ServerState(config)
+def build_app(
+    config: ServerConfig, start_engine: EngineStarter, on_fatal: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """The app; `start_engine` runs when the server starts (lifespan), in the background, and the
+    engine stops with the server. `on_fatal(reason)` runs when no engine will start."""
+    state = ServerState(config, on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine = await start_engine()
-        state.attach(engine)
-        quiet_gc()  # start-up is over: what lives now lives as long as the server
+        starting = asyncio.create_task(state.start(start_engine))
         flusher = asyncio.create_task(state.traces.flush_periodically()) if state.traces is not None else None
         try:
             yield
         finally:
-            await engine.shutdown()
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            if state.engine is not None:
+                await state.engine.shutdown()
             if flusher is not None:
                 flusher.cancel()
                 state.traces.writer.flush()
 
+    # No redirects for trailing slashes (Starlette's would echo the Host header into Location).
     app = FastAPI(title="ferry", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+                  openapi_url=None, redirect_slashes=False)
     app.state.ferry = state
     for path, method, endpoint in ROUTES:
-        app.add_api_route(path, endpoint, methods=[method])
+        app.add_api_route(path, endpoint, methods=[method, "HEAD"] if method == "GET" else [method])
+    app.add_api_route("/openapi.json", openapi_route, methods=["GET", "HEAD"])
 
     async def on_api_error(request: Request, error: ApiError) -> JSONResponse:
         state.metrics.requests_rejected.labels(str(error.status)).inc()
@@ -132,6 +171,7 @@ def build_app(config: ServerConfig, start_engine: EngineStarter) -> FastAPI:
     app.add_exception_handler(Exception, handle_unexpected)
     if config.api_key is not None:
         app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+    add_origin_policy(app, config.allowed_origins)
     app.add_middleware(ArrivalTimeMiddleware)  # the last added is the outermost
     return app
 
@@ -142,8 +182,10 @@ def _state(request: Request) -> ServerState:
 
 async def health(request: Request) -> Response:
     state = _state(request)
-    if state.engine is None or not state.engine.is_alive:
-        return error_response(ApiError(503, "the engine is not running", code="engine_dead"))
+    try:
+        state.ready_engine()
+    except ApiError as error:
+        return error_response(error)
     if state.admission.draining:
         return error_response(ApiError(503, "the server is shutting down", code="server_shutting_down"))
     return Response(status_code=200)
@@ -168,49 +210,55 @@ async def traces(request: Request) -> Response:
 async def models(request: Request) -> Response:
     state = _state(request)
     card = ModelCard(id=state.config.served_model_name, created=state.started,
-                     max_model_len=state.engine.info.max_model_len)
+                     max_model_len=state.ready_engine().info.max_model_len)
     return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
 
+async def _body(request: Request, model: type[M]) -> M:
+    config = _state(request).config
+    return await parse_body(request, model, config.max_body_bytes, config.body_timeout_s)
+
+
 async def completions(request: Request) -> Response:
-    state = _state(request)
-    body = await parse_body(request, CompletionRequest, state.config.max_body_bytes)
-    return await state.respond(request, state.completions, body)
+    return await _state(request).respond(request, "completions", await _body(request, CompletionRequest))
 
 
 async def chat_completions(request: Request) -> Response:
-    state = _state(request)
-    body = await parse_body(request, ChatCompletionRequest, state.config.max_body_bytes)
-    return await state.respond(request, state.chat, body)
+    return await _state(request).respond(request, "chat", await _body(request, ChatCompletionRequest))
 
 
 async def tokenize(request: Request) -> Response:
     state = _state(request)
-    body = await parse_body(request, TokenizeRequest, state.config.max_body_bytes)
+    body = await _body(request, TokenizeRequest)
     check_model(body.model, state.config)
-    engine = state.engine
+    engine = state.ready_engine()
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("give exactly one of prompt and messages", "prompt")
     if body.messages is not None:
-        token_ids = chat_prompt(body.messages, engine, body.add_generation_prompt).token_ids
+        token_ids = (await asyncio.to_thread(chat_prompt, body.messages, engine, body.add_generation_prompt)).token_ids
     elif engine.tokenizer is None:
         raise bad_request("this model has no tokenizer.json", "prompt")
     else:
-        token_ids = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        check_text_length(body.prompt, engine.tokenizer, engine, "prompt")
+        token_ids = await asyncio.to_thread(engine.tokenizer.encode, body.prompt, body.add_special_tokens)
     reply = TokenizeResponse(count=len(token_ids), max_model_len=engine.info.max_model_len, tokens=token_ids)
     return Response(reply.model_dump_json(), media_type="application/json")
 
 
 async def detokenize(request: Request) -> Response:
     state = _state(request)
-    body = await parse_body(request, DetokenizeRequest, state.config.max_body_bytes)
+    body = await _body(request, DetokenizeRequest)
     check_model(body.model, state.config)
-    engine = state.engine
+    engine = state.ready_engine()
     if engine.tokenizer is None:
         raise bad_request("this model has no tokenizer.json", "tokens")
     check_token_ids(body.tokens, engine, "tokens")
-    text = engine.tokenizer.decode(body.tokens, skip_special_tokens=False)
+    text = await asyncio.to_thread(engine.tokenizer.decode, body.tokens, False)
     return Response(DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json")
+
+
+async def openapi_route(request: Request) -> Response:
+    return Response(openapi_json(), media_type="application/json")
 
 
 ROUTES = [

@@ -38,10 +38,13 @@ _REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], restarts: Callable[[], int]) -> None:
         self._stats = stats
+        self._restarts = restarts
 
     def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("ferry:engine_restarts", "Engine processes started after one died.",
+                                  self._restarts())
         s = self._stats()
         yield GaugeMetricFamily("ferry:num_requests_running", "Sequences in the running batch.", s.num_running)
         yield GaugeMetricFamily("ferry:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
@@ -57,9 +60,9 @@ class _EngineCollector:
 
 
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats], engine_restarts: Callable[[], int] = lambda: 0) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine_stats))
+        self.registry.register(_EngineCollector(engine_stats, engine_restarts))
         self.request_success = Counter(
             "ferry:request_success", "Completions finished, by finish reason.", ["finished_reason"],
             registry=self.registry,
