@@ -22,6 +22,12 @@ _DTYPES = {
 }
 
 
+# config.json fields that must be positive integers when present (a -1 would surface far away, as
+# "no memory is left for the KV cache" or a shape error).
+_POSITIVE_FIELDS = ("max_position_embeddings", "vocab_size", "hidden_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The model's shape, read from its Hugging Face `config.json` (kept whole in `hf_config`)."""
@@ -70,11 +76,17 @@ class ModelConfig:
         if not config_file.is_file():
             raise FileNotFoundError(f"no config.json in model folder {path}")
         hf_config = json.loads(config_file.read_text())
-        if not hf_config.get("architectures"):
+        if not isinstance(hf_config, dict) or not hf_config.get("architectures"):
             raise ValueError(f"{config_file} names no 'architectures'")
+        for name in _POSITIVE_FIELDS:
+            value = hf_config.get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{config_file}: {name} must be a positive integer, got {value!r}")
         limit = hf_config.get("max_position_embeddings", 2048)
         if max_model_len is None:
             max_model_len = limit
+        elif max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         elif max_model_len > limit:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings={limit}")
         return cls(
@@ -124,6 +136,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,9 @@ be reported inside a stream that has already started.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
@@ -34,27 +36,98 @@ class EnginePrompt:
 # ---- the body ----
 
 
-async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
-    """The request body as `model`: 413 past max_bytes (checked on Content-Length, then while
-    reading, for chunked uploads), 400 for bad JSON, a non-object, or a field that does not fit."""
+async def parse_body(request: Request, model: type[M], max_bytes: int, timeout_s: float = 30.0) -> M:
+    """The request body as `model`. 415 unless it is declared JSON (a browser's cross-site form or
+    text/plain POST cannot declare it without a CORS preflight); 413 past max_bytes (checked on
+    Content-Length, then while reading, for chunked uploads); 408 when the body does not arrive
+    within timeout_s; 400 for bad JSON (NaN and Infinity included), lone surrogates, nesting deeper
+    than MAX_JSON_DEPTH, a non-object, or a field that does not fit."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise ApiError(415, f"the body must be JSON, sent with 'Content-Type: application/json' "
+                            f"(got {media_type or 'none'!r})", code="unsupported_media_type")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(int(declared), max_bytes)
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > max_bytes:
-            raise _too_large(len(body), max_bytes)
     try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > max_bytes:
+                    raise _too_large(len(body), max_bytes)
+    except TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {timeout_s:g} s", code="request_timeout") from None
+    data = parse_json(bytes(body))
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, not {type(data).__name__}", code="invalid_json")
     try:
         return model.model_validate(data)
     except ValidationError as e:
         raise _validation_error(e) from None
+
+
+# Deeper JSON than this is refused: no request of the API nests more than a few levels, and every
+# recursive step after parsing (validation, templates, encoding) would risk Python's recursion limit.
+MAX_JSON_DEPTH = 64
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def parse_json(body: bytes) -> Any:
+    """Strict JSON: what json.loads takes, less NaN/Infinity, lone surrogates and deep nesting
+    (all of them 400s, never a 500 later on)."""
+    try:
+        data = json.loads(body, parse_constant=_no_constant)
+    except RecursionError:
+        raise bad_request(f"the body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    # Both scans are one pass of C over the bytes; the walks run only when they find something.
+    if body.count(b"[") + body.count(b"{") > MAX_JSON_DEPTH and _depth(data) > MAX_JSON_DEPTH:
+        raise bad_request(f"the body nests deeper than {MAX_JSON_DEPTH} levels", code="invalid_json")
+    if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(data):
+        raise bad_request("the body has a lone UTF-16 surrogate (\\ud800-\\udfff) in a string", code="invalid_json")
+    return data
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _depth(data: Any) -> int:
+    """How deep lists and objects nest in `data`, without recursion. Lists that begin with a number
+    are taken as flat (token ids: walking millions of them would block the event loop); whatever
+    they might hide fails validation as a list of ints."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children = item.values()
+        elif isinstance(item, list) and not (item and isinstance(item[0], (int, float))):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_JSON_DEPTH:
+            stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return deepest
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _too_large(size: int, max_bytes: int) -> ApiError:
@@ -92,7 +165,9 @@ def _engine_prompt(item: str | list[int], engine: AsyncEngine) -> EnginePrompt:
     if isinstance(item, str):
         if not item:
             raise bad_request("prompt is empty", "prompt")
-        return EnginePrompt(_tokenizer(engine, "prompt").encode(item), item)
+        tokenizer = _tokenizer(engine, "prompt")
+        check_text_length(item, tokenizer, engine, "prompt")
+        return EnginePrompt(tokenizer.encode(item), item)
     if not item:
         raise bad_request("prompt is empty", "prompt")
     check_token_ids(item, engine, "prompt")
@@ -117,10 +192,23 @@ def chat_prompt(
         text = tokenizer.apply_chat_template(conversation, add_generation_prompt, tools, **(template_kwargs or {}))
     except Exception as e:  # templates are the model's code: any error there is the request's
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
+    check_text_length(text, tokenizer, engine, "messages")
     token_ids = tokenizer.encode(text, add_special_tokens=False)
     if not token_ids:
         raise bad_request("the messages render to an empty prompt", "messages")
     return EnginePrompt(token_ids, text)
+
+
+def check_text_length(text: str, tokenizer, engine: AsyncEngine, param: str) -> None:
+    """400 for a text that must have more tokens than the context holds, before tokenizing it (a
+    20 MB prompt would take seconds): no token stands for more than max_chars_per_token characters."""
+    limit = engine.info.max_model_len * tokenizer.max_chars_per_token
+    if len(text) > limit:
+        raise bad_request(
+            f"This model's maximum context length is {engine.info.max_model_len} tokens, and the prompt has "
+            f"{len(text)} characters: more tokens than that. Please shorten the prompt.",
+            param, "context_length_exceeded",
+        )
 
 
 def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:

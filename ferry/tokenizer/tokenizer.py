@@ -30,6 +30,9 @@ from ferry.tokenizer.chat_template import ChatTemplate, Message, read_chat_templ
 # The special-token attributes transformers knows by name; each becomes a template variable.
 _NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
+# Texts of at least this many characters are encoded without holding the GIL (see encode).
+_LONG_TEXT = 4096
+
 # transformers writes 1e30 as model_max_length when a model sets no limit.
 _NO_LIMIT = 2**60
 
@@ -66,7 +69,11 @@ class Tokenizer:
         self.special_tokens = special_tokens
         self.model_max_length = model_max_length
         self._chat_templates = {name: ChatTemplate(source) for name, source in chat_templates.items()}
-        self._vocab_size = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+        vocab = backend.get_vocab(with_added_tokens=True)
+        self._vocab_size = max(vocab.values(), default=-1) + 1
+        # No token stands for more characters than its vocabulary entry has (byte-level entries have
+        # one character a byte), so a text longer than max_chars_per_token * n has more than n tokens.
+        self.max_chars_per_token = max(map(len, vocab), default=1)
         self._all_special_ids = [
             i for i in (backend.token_to_id(t) for t in special_tokens.all_tokens()) if i is not None
         ]
@@ -140,8 +147,12 @@ class Tokenizer:
     # ---- text ----
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; add_special_tokens applies the post-processor (usually BOS)."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; add_special_tokens applies the post-processor (usually BOS). A long
+        text goes through `encode_batch`, which lets go of the GIL (`encode` holds it throughout:
+        seconds for a few MB), so other threads, the server's event loop among them, run meanwhile."""
+        if len(text) < _LONG_TEXT:
+            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`. Ids outside the vocabulary are skipped; bytes that do not form
