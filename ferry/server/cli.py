@@ -105,7 +105,10 @@ def serve(args: argparse.Namespace) -> int:
     server = DrainingServer(uvicorn_config, app.state.ferry.drain)
     # The port first: a busy one fails now, not after the model and the KV cache have loaded.
     sock = uvicorn_config.bind_socket()
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C: uvicorn raises it again once the server has shut down
+        return 130
     if failure:
         print(f"ferry serve: {failure[0]}", file=sys.stderr)
         return 1
