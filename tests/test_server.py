@@ -152,8 +152,11 @@ def sse_events(response) -> list[str]:
 
 
 def metric_values(http) -> dict[str, float]:
-    text = http.get("/metrics").text
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return metric_values_of(http.get("/metrics"))
+
+
+def metric_values_of(response) -> dict[str, float]:
+    return {s.name: s.value for family in text_string_to_metric_families(response.text) for s in family.samples}
 
 
 # ---- bar 1: the API through the official client ----
@@ -671,10 +674,6 @@ def test_a_busy_port_fails_before_the_model_loads(server, tiny_model, tmp_path):
     assert "engine" not in result.stderr.lower() and time.monotonic() - started < 20
 
 
-def metric_values_of(response) -> dict[str, float]:
-    return {s.name: s.value for family in text_string_to_metric_families(response.text) for s in family.samples}
-
-
 def test_drain_timeout_aborts_what_is_left(spare_server):
     """Requests still running when --drain-timeout runs out end with an error event (streaming) or a
     503 (plain), and the server exits anyway."""
@@ -718,3 +717,92 @@ def test_prefix_cache_hits_are_reported(client, http):
     after = metric_values(http)
     assert after["ferry:prefix_cache_queries_total"] - before["ferry:prefix_cache_queries_total"] >= 2 * first.usage.prompt_tokens
     assert after["ferry:prefix_cache_hits_total"] - before["ferry:prefix_cache_hits_total"] == cached
+
+
+# ---- HTTP hygiene: what a browser, a slow client or a careless proxy can send ----
+
+
+def test_bodies_must_be_declared_json(http):
+    """A page can POST text/plain (or a form) cross-site without a preflight; the server takes none."""
+    body = json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 1})
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        response = http.post("/v1/completions", content=body, headers=headers)
+        assert response.status_code == 415 and response.json()["error"]["code"] == "unsupported_media_type"
+    assert http.post("/v1/completions", content=body, headers={"Content-Type": "application/json; charset=utf-8"}) \
+        .status_code == 200
+
+
+def test_foreign_web_origins_are_refused(http, server):
+    evil = {"Origin": "https://evil.example", "Content-Type": "text/plain"}
+    response = http.post("/v1/completions", content=json.dumps({"prompt": "Hi"}), headers=evil)
+    assert response.status_code == 403 and response.json()["error"]["code"] == "origin_not_allowed"
+    assert http.get("/v1/models", headers={"Origin": "https://evil.example"}).status_code == 403
+    assert "access-control-allow-origin" not in response.headers
+    own = {"Origin": f"http://127.0.0.1:{server.port}"}
+    assert http.get("/v1/models", headers=own).status_code == 200
+
+
+def test_allowed_origins_get_cors(spare_server):
+    srv = spare_server("--allowed-origins", "https://app.example")
+    preflight = httpx.options(srv.url + "/v1/completions", headers={
+        "Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type"})
+    assert preflight.status_code == 200
+    assert preflight.headers["access-control-allow-origin"] == "https://app.example"
+    response = httpx.post(srv.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                          headers={"Origin": "https://app.example"})
+    assert response.status_code == 200 and response.headers["access-control-allow-origin"] == "https://app.example"
+    assert httpx.get(srv.url + "/health", headers={"Origin": "https://other.example"}).status_code == 403
+
+
+def test_a_body_that_never_arrives_gets_408(spare_server):
+    srv = spare_server("--body-timeout", "1")
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+        started = time.monotonic()
+        reply = b""
+        while b"request_timeout" not in reply and (chunk := sock.recv(4096)):
+            reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply, reply
+        assert time.monotonic() - started < 5
+
+
+def test_no_redirects_head_and_protocol_errors(http, server):
+    response = http.get("/v1/models/", headers={"Host": "evil.example"}, follow_redirects=False)
+    assert response.status_code == 404 and "location" not in response.headers
+    assert response.json()["error"]["message"]
+    assert httpx.head(server.url + "/health").status_code == 200
+    assert http.head("/v1/models").status_code == 200
+    response = http.delete("/v1/completions")
+    assert response.status_code == 405 and response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_openapi_has_the_real_schemas_behind_the_key(http, server):
+    assert httpx.get(server.url + "/openapi.json").status_code == 401
+    document = http.get("/openapi.json").json()
+    body = document["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    schema = document["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert {"prompt", "max_tokens", "temperature", "top_p", "n", "seed"} <= set(schema["properties"])
+    assert schema["required"] == ["prompt"]
+    responses = document["paths"]["/v1/chat/completions"]["post"]["responses"]
+    assert {"200", "400", "413", "415", "429", "503"} <= set(responses)
+
+
+def test_retry_after_follows_the_queue(spare_server):
+    """With a tight queue bound, requests past it get 429 and a Retry-After from the measured drain
+    rate: an integer number of seconds, at least 1."""
+    srv = spare_server("--max-queue-wait", "1", "--max-num-seqs", "2")
+    body = {"prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": True}
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+            for _ in range(3):  # enough finished requests for the server to know its rate
+                await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(4)))
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(40)))
+
+    responses = asyncio.run(run())
+    refused = [r for r in responses if r.status_code == 429]
+    assert refused and any(r.status_code == 200 for r in responses)
+    assert all(r.json()["error"]["code"] == "queue_full" and int(r.headers["retry-after"]) >= 1 for r in refused)
