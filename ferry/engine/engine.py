@@ -205,7 +205,7 @@ class LLMEngine:
         applied (the one that raised, and the one in flight before it). Their tokens in flight will
         never arrive, so they are forgotten before the requests finish; what the others hold was
         applied by earlier steps and stays true."""
-        logger.exception("a step failed; failing its requests and going on")
+        logger.exception("internal error in a step: failing its requests and going on")
         why = f"the engine failed on this step ({type(error).__name__}: {error})"
         child_ids = {s.request_id for output in self._unapplied for s in output.scheduled}
         self._unapplied.clear()

@@ -215,7 +215,7 @@ class EngineLoop:
         except Exception as e:  # the engine's: that request fails, the engine goes on
             if is_device_fault(e):
                 raise
-            logging.getLogger(__name__).exception("adding request %s failed", message.request_id)
+            logging.getLogger(__name__).exception("internal error adding request %s: failing it", message.request_id)
             self._post(RequestFailed(message.request_id, f"{type(e).__name__}: {e}", internal=True))
             return
         self._prompt_tokens_total += len(message.prompt_token_ids)

@@ -7,6 +7,7 @@ each with its own detokenizer; this module gathers them.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,6 +20,8 @@ from ferry.sampling_params import RequestOutputKind, SamplingParams
 if TYPE_CHECKING:
     from ferry.engine.detokenizer import IncrementalDetokenizer
     from ferry.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -149,6 +152,7 @@ class OutputProcessor:
                 if self._add_tokens(completion, update):
                     stopped.append(update.request_id)
             except Exception as error:
+                logger.exception("internal error in the output of request %s: failing it", state.request_id)
                 failed.setdefault(state.request_id, _why(error))
             if completion.finish_reason is not None:
                 del self._children[update.request_id]
@@ -163,6 +167,7 @@ class OutputProcessor:
             try:
                 output = self._make_output(state, finished)
             except Exception as error:
+                logger.exception("internal error in the output of request %s: failing it", state.request_id)
                 failed[state.request_id] = _why(error)
                 continue
             if output is not None:

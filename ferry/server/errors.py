@@ -58,7 +58,7 @@ def error_response(error: ApiError) -> JSONResponse:
 
 async def handle_unexpected(request: Request, error: Exception) -> JSONResponse:
     # A bug: log it with its traceback, tell the client no more than that it was ours.
-    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    logger.exception("internal error: unhandled exception on %s %s", request.method, request.url.path)
     return error_response(ApiError(500, "internal server error", code="internal_error"))
 
 

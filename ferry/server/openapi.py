@@ -63,8 +63,10 @@ def openapi_json() -> bytes:
 
     def post(request: type[BaseModel], reply: type[BaseModel], summary: str, stream: bool = False) -> dict:
         ok: dict[str, Any] = {"application/json": {"schema": ref(reply, "serialization")}}
-        if stream:
-            ok["text/event-stream"] = {"schema": {"type": "string"}}
+        if stream:  # each server-sent event: its data is one chunk's JSON, an error's, or [DONE]
+            ok["text/event-stream"] = {"schema": {
+                "type": "object", "required": ["data"],
+                "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}}
         return {"post": {
             "summary": summary,
             "requestBody": {"required": True, "content": {"application/json": {"schema": ref(request, "validation")}}},
