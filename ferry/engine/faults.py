@@ -3,7 +3,7 @@
 Anything else raised inside a step is a fault of the step (a bug met by one batch, a request the
 checks let through), and the engine fails that step's requests and goes on (`LLMEngine.step`). A
 CUDA error is sticky: the context is broken and every later kernel fails too, so the process ends
-and the server starts a new one (`engine/supervisor.py`).
+and the server starts a new one (`AsyncEngine` with a `RestartPolicy`, engine/async_engine.py).
 """
 
 from __future__ import annotations

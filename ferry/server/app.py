@@ -1,11 +1,14 @@
 """The HTTP app: the routes and the state they share.
 
-    request ─► ApiKeyMiddleware ─► route ─► parse_body ─► Serving.plan (validate, tokenize)
+    request ─► OriginCheck (403) ─► ApiKeyMiddleware (401) ─► route ─► parse_body (415, 413, 408, 400)
+            ─► Serving.plan in a worker thread (validate, chat template, tokenize)
             ─► admit (429 / 503) ─► Serving.chunks ─┬─► sse_events            stream=true
                                                     └─► fold ─► one JSON      stream=false
 
-The engine starts with the app (lifespan) and stops with it. Routes reach it only through
-`AsyncEngine`, and reach each other's state only through `ServerState`.
+The engine starts with the app (lifespan), in the background: the server answers at once, with
+/health 503 until the engine is ready, and stops the engine when it stops. Routes reach the engine
+only through `AsyncEngine` (which replaces a dead engine process by itself), and reach each other's
+state only through `ServerState`.
 """
 
 from __future__ import annotations
