@@ -77,6 +77,56 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--plot-dir", default=None, metavar="DIR", help="write PNG plots here (needs matplotlib)")
 
 
+def add_soak_args(parser: argparse.ArgumentParser) -> None:
+    target = parser.add_argument_group("server")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL (loopback only)")
+    target.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
+    target.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
+    target.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take in all")
+    target.add_argument("--server-pid", type=int, default=None,
+                        help="sample the RSS of this process and its descendants (the `ferry serve` process)")
+
+    data = parser.add_argument_group("workload")
+    data.add_argument("--random-input-len", type=int, default=64, help="prompt tokens")
+    data.add_argument("--random-output-len", type=int, default=32, help="tokens to generate (ignore_eos)")
+    data.add_argument("--num-prompts", type=int, default=1000, help="distinct prompts, sent in turn")
+    data.add_argument("--tokenizer", default=None,
+                      help="folder with the tokenizer.json to build prompts with (default: the bundled model's)")
+    data.add_argument("--seed", type=int, default=0)
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--capacity", type=float, default=None, metavar="REQ_PER_S",
+                      help="the server's capacity for this workload (default: measure it first)")
+    load.add_argument("--capacity-duration", type=float, default=60.0, help="seconds of the capacity phase")
+    load.add_argument("--capacity-concurrency", type=int, default=64,
+                      help="requests in flight in the capacity phase's closed loop")
+    load.add_argument("--overload", type=float, default=2.5, help="Poisson arrivals at this times the capacity")
+    load.add_argument("--duration", type=float, default=1800.0, help="seconds of overload")
+    load.add_argument("--cancel-fraction", type=float, default=0.1,
+                      help="fraction of requests the client gives up after a random delay")
+    load.add_argument("--cancel-delay-max", type=float, default=10.0,
+                      help="a cancelled request is given up uniformly within this many seconds of being sent")
+    load.add_argument("--stream-fraction", type=float, default=0.5, help="fraction of requests streamed")
+    load.add_argument("--max-outstanding", type=int, default=1000,
+                      help="most requests in flight; arrivals past it are dropped client-side and counted")
+    load.add_argument("--max-requests", type=int, default=200_000, help="most requests the overload sends")
+
+    check = parser.add_argument_group("checks")
+    check.add_argument("--rss-interval", type=float, default=5.0, help="seconds between RSS samples")
+    check.add_argument("--warmup-fraction", type=float, default=0.1,
+                       help="the first part of the overload that the RSS trend leaves out")
+    check.add_argument("--max-rss-slope", type=float, default=10.0,
+                       help="MiB per 10 minutes of RSS growth after warm-up that still counts as flat")
+    check.add_argument("--gauge-timeout", type=float, default=60.0,
+                       help="seconds to wait, after the load, for the engine's gauges to reach 0")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--result-file", default=None, metavar="PATH",
+                     help="write every figure, the RSS samples and each request's outcome as JSON")
+
+
 def _module_args(module: str) -> Callable[[argparse.ArgumentParser], None]:
     """The options of an engine benchmark, defined in its own module (which imports torch lazily)."""
     return lambda parser: importlib.import_module(module).add_args(parser)
@@ -89,6 +139,8 @@ BENCH_COMMANDS: tuple[BenchCommand, ...] = (
                  _module_args("ferry.bench.throughput"), "ferry.bench.throughput"),
     BenchCommand("latency", "batch-1 TTFT and per-token decode latency next to their roofline bounds",
                  _module_args("ferry.bench.latency"), "ferry.bench.latency"),
+    BenchCommand("soak", "overload a ferry server for a long time: one outcome per request, RSS, gauges, "
+                 "Retry-After truth", add_soak_args, "ferry.bench.soak"),
 )
 
 

@@ -7,8 +7,10 @@ elsewhere. The bound is a time, not a count: the server measures how fast it fin
 while it has work (`DrainRate`), and the expected wait of a new request is the time the requests
 ahead of it take to drain at that rate. A request is admitted while that wait stays within
 `max_queue_wait_s` (and the count within `max_pending`, a hard cap that also holds before any rate
-is known); a refused one is told, in Retry-After, when the excess will have drained. Each admitted
-request holds a `Ticket` until its reply is complete.
+is known); a refused one is told, in Retry-After, the queue's expected drain time. The rate is taken
+over the last 256 completions, so that requests finishing in waves (a batch admitted together ends
+together) do not swing admission between all and nothing. Each admitted request holds a `Ticket`
+until its reply is complete.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ class DrainRate:
     last `window` completions: idle time does not count, so a quiet server is not taken for a slow
     one."""
 
-    def __init__(self, window: int = 64, min_samples: int = 8) -> None:
+    def __init__(self, window: int = 256, min_samples: int = 8) -> None:
         self._busy_s = 0.0  # busy time so far
         self._since: float | None = None  # when the current busy period began (None: idle)
         self._marks: deque[tuple[float, int]] = deque(maxlen=window)  # (busy time, count) per release
@@ -85,13 +87,10 @@ class Admission:
         return Ticket(self, count)
 
     def _full(self, count: int, rate: float | None, over_count: bool) -> ApiError:
-        if rate is None:
-            retry_s = 1.0
-        else:
-            # When enough of what is in flight has finished for this request to fit both bounds.
-            fits = min(self.max_pending, math.floor(rate * self.max_queue_wait_s)) - count
-            retry_s = max(1.0, (self.pending - max(fits, 0)) / rate)
-        wait = f"about {self.expected_wait_s():.0f} s of work" if rate is not None else "work"
+        # The queue's expected drain time: by Little's law also the time a request admitted now
+        # would spend in the server, so a client that comes back then finds room for itself.
+        retry_s = 1.0 if rate is None else max(1.0, self.pending / rate)
+        wait = f"about {self.pending / rate:.0f} s of work" if rate is not None else "work"
         limit = f"its limit of {self.max_pending} requests in flight" if over_count else \
             f"its queue limit of {self.max_queue_wait_s:g} s"
         return ApiError(429, f"the server is at {limit} ({self.pending} in flight, {wait}); retry later",
