@@ -96,7 +96,6 @@ class AsyncEngine:
         self, launch: Launcher, first: _EngineProcess, tokenizer: Tokenizer | None,
         restart: RestartPolicy | None = None, on_give_up: Callable[[str], None] | None = None,
     ) -> None:
-        self.info = first.info
         self.tokenizer = tokenizer
         self.stats = EngineStats()
         self.trace_sink: Callable[[list[RequestTrace]], None] | None = None
@@ -112,6 +111,7 @@ class AsyncEngine:
 
     def _attach(self, engine: _EngineProcess) -> None:
         self._engine = engine
+        self.info = engine.info  # a new process may size its KV cache differently
         self._dead_reason = None
         self._read_task = asyncio.create_task(self._read_loop(engine))
 
