@@ -9,6 +9,8 @@ Where a model keeps its template(s), later sources replacing earlier ones as in 
     tokenizer_config.json "chat_template"   a string, or a list of {"name", "template"}
     chat_template.jinja                     the "default" template
     additional_chat_templates/<name>.jinja  further named templates
+
+Rendering is bounded, since a template can loop for ever or build huge values (see ChatTemplate).
 """
 
 from __future__ import annotations
@@ -23,9 +25,14 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.utils
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from ferry.tokenizer.bounded_sandbox import (
+    MAX_RENDER_CHARS, MAX_TEMPLATE_CHARS, RENDER_TIMEOUT_S, BoundedSandbox, Limits, RenderTimeout, TooBig, bound,
+    check_in_render, checked, finalize,
+)
 
 Message = dict[str, Any]
+
 
 # Names a message's reasoning may come under. Templates read "reasoning_content" (and gpt-oss's
 # "thinking"), so a message carrying any of them gets both, as transformers does.
@@ -71,10 +78,18 @@ def select_template(names: Collection[str], tools: list | None) -> str:
 
 class ChatTemplate:
     """One compiled chat template. Compiling is deferred to the first render, so that a model with a
-    broken template still loads and serves plain completions."""
+    broken template still loads and serves plain completions.
 
-    def __init__(self, source: str) -> None:
+    A template is the model's code, so a render is bounded (bounded_sandbox.py): past `timeout_s`
+    (RENDER_TIMEOUT_S) in whatever thread renders, or when a value it builds or its output would
+    pass `max_chars` (MAX_RENDER_CHARS) plus a multiple of its inputs' size, it fails with
+    ValueError like any other template error. Sources over MAX_TEMPLATE_CHARS do not compile.
+    """
+
+    def __init__(self, source: str, timeout_s: float = RENDER_TIMEOUT_S, max_chars: int = MAX_RENDER_CHARS) -> None:
         self.source = source
+        self.timeout_s = timeout_s
+        self.max_chars = max_chars
         self._compiled: jinja2.Template | None = None
 
     def render(
@@ -89,41 +104,44 @@ class ChatTemplate:
         Raises ValueError for any error in the template, including its own raise_exception."""
         variables = _plain(dict(variables))
         documents = variables.pop("documents", None)
-        messages = _normalize_messages(messages)
+        arguments = {"messages": _normalize_messages(messages), "tools": _plain(tools), "documents": documents}
         template = self._template()
         try:
-            return template.render(
-                messages=messages,
-                tools=_plain(tools),
-                documents=documents,
-                add_generation_prompt=add_generation_prompt,
-                **variables,
-            )
+            with Limits(self.timeout_s, self.max_chars, inputs=(arguments, variables)):
+                parts = template.generate(**arguments, add_generation_prompt=add_generation_prompt, **variables)
+                return template.environment.concat(parts)
+        except RenderTimeout:
+            raise ValueError(f"chat template error: rendering took longer than {self.timeout_s} s") from None
+        except TooBig as error:
+            raise ValueError(f"chat template error: {error}") from error
         except Exception as error:  # the template is the model's code: any failure is a bad request
             raise ValueError(f"chat template error: {type(error).__name__}: {error}") from error
 
     def _template(self) -> jinja2.Template:
         if self._compiled is None:
+            if len(self.source) > MAX_TEMPLATE_CHARS:
+                raise ValueError(f"chat template does not compile: it is longer than {MAX_TEMPLATE_CHARS} characters")
             try:
                 self._compiled = _environment().from_string(self.source)
-            except jinja2.TemplateError as error:
+            except Exception as error:  # RecursionError and MemoryError too, from absurdly nested source
                 raise ValueError(f"chat template does not compile: {error}") from error
         return self._compiled
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
+def _environment() -> BoundedSandbox:
     # trim_blocks/lstrip_blocks and loopcontrols are what Hub templates are written against.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols], finalize=finalize)
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
-    return env
+    return bound(env)
 
 
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    # as text now, while the render's limits hold, since the error is printed once they are gone
+    raise jinja2.exceptions.TemplateError(str(checked(message)))
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
@@ -159,6 +177,11 @@ class _TemplateNamespace(jinja2.utils.Namespace):
     def __setitem__(self, name: str, value: Any) -> None:
         _TemplateNamespace._check_name(name)
         jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    def __repr__(self) -> str:
+        # namespaces set into one another can nest a value many times over: measured first, in a render
+        check_in_render(self)
+        return jinja2.utils.Namespace.__repr__(self)
 
     @staticmethod
     def _check_name(name: Any) -> None:
