@@ -810,3 +810,14 @@ def test_retry_after_follows_the_queue(spare_server):
     refused = [r for r in responses if r.status_code == 429]
     assert refused and any(r.status_code == 200 for r in responses)
     assert all(r.json()["error"]["code"] == "queue_full" and int(r.headers["retry-after"]) >= 1 for r in refused)
+
+
+def test_malformed_http_gets_a_json_400(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        reply = b""
+        while chunk := sock.recv(4096):
+            reply += chunk
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
+    assert json.loads(body)["error"]["code"] == "malformed_http"

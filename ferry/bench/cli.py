@@ -100,8 +100,9 @@ def add_soak_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--capacity", type=float, default=None, metavar="REQ_PER_S",
                       help="the server's capacity for this workload (default: measure it first)")
     load.add_argument("--capacity-duration", type=float, default=60.0, help="seconds of the capacity phase")
-    load.add_argument("--capacity-concurrency", type=int, default=64,
-                      help="requests in flight in the capacity phase's closed loop")
+    load.add_argument("--capacity-concurrency", type=int, default=256,
+                      help="requests in flight in the capacity phase's closed loop (default: the engine's default "
+                           "max_num_seqs, so that the capacity is the saturated one)")
     load.add_argument("--overload", type=float, default=2.5, help="Poisson arrivals at this times the capacity")
     load.add_argument("--duration", type=float, default=1800.0, help="seconds of overload")
     load.add_argument("--cancel-fraction", type=float, default=0.1,

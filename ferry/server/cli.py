@@ -65,6 +65,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from ferry.engine.async_engine import AsyncEngine, RestartPolicy
     from ferry.server.app import build_app
+    from ferry.server.http_protocol import JsonErrorsH11Protocol
     from ferry.server.shutdown import DrainingServer
 
     model = Path(model_path(args))
@@ -98,7 +99,7 @@ def serve(args: argparse.Namespace) -> int:
                                                       restart=restart, on_give_up=give_up), on_fatal=give_up)
     uvicorn_config = uvicorn.Config(
         app, host=args.host, port=args.port, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-        log_level=args.log_level, access_log=not args.no_access_log,
+        log_level=args.log_level, access_log=not args.no_access_log, http=JsonErrorsH11Protocol,
         # After the drain, responses still open (aborted streams) get this long to close.
         timeout_graceful_shutdown=5,
     )

@@ -95,8 +95,9 @@ def _no_constant(name: str) -> None:
 
 def _depth(data: Any) -> int:
     """How deep lists and objects nest in `data`, without recursion. Lists that begin with a number
-    are taken as flat (token ids: walking millions of them would block the event loop); whatever
-    they might hide fails validation as a list of ints."""
+    are taken as flat (token ids: walking millions of them would block the event loop). What such a
+    list might hide fails validation where the API expects ints, and where it takes any JSON (tools,
+    chat_template_kwargs) it only meets the chat template's code, whose RecursionError is a 400."""
     deepest, stack = 0, [(data, 1)]
     while stack:
         item, depth = stack.pop()
