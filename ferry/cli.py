@@ -5,47 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ferry import __version__
+from ferry.engine_args import CommandParser, add_engine_args, engine_kwargs, model_path, parse
 from ferry.sampling_params import RequestOutputKind, SamplingParams
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine's options, named after `LLM`'s keyword arguments."""
-    parser.add_argument("--model", default=None, help="model folder (default: the bundled model)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                        help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs "
-                             "(the default on CUDA)")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                        help="schedule and launch each step before waiting for the last one's tokens, so "
-                             "the host's work overlaps the device's (the default on CUDA)")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        load_format=args.load_format, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-    )
-
-
-def model_path(args: argparse.Namespace):
-    if args.model is not None:
-        return args.model
-    from ferry.assets import default_model_path
-
-    return default_model_path()
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -72,19 +34,21 @@ def generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ferry", description="LLM inference engine and OpenAI-compatible server")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"ferry {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
 
-    gen = commands.add_parser("generate", help="complete one prompt, streaming the text")
-    gen.add_argument("prompt")
+    gen = commands.add_parser("generate", help="complete one prompt, streaming the text",
+                              description="Complete one prompt with the engine in this process, streaming the text.")
+    gen.add_argument("prompt", help="the text to complete")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    gen.add_argument("--max-tokens", type=int, default=128)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--stop", action="append", default=None)
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the most likely tokens of this mass")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    gen.add_argument("--sampling-seed", type=int, default=None, help="seed of this request's sampling")
+    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeat for more)")
     add_engine_args(gen)
-    gen.set_defaults(func=generate)
+    gen.set_defaults(func=generate, command_parser=gen)
 
     from ferry.server.cli import add_serve_command
 
@@ -93,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_command(commands)
 
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

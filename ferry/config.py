@@ -11,15 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+# The dtypes a model runs in, by torch's names, and their bytes per element. Configuration is plain
+# data (no torch here: the scheduler's side imports it); the executor turns a name into a torch dtype.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
 
 # config.json fields that must be positive integers when present (a -1 would surface far away, as
@@ -34,10 +29,19 @@ class ModelConfig:
 
     path: Path
     hf_config: dict[str, Any] = field(repr=False)
-    dtype: torch.dtype
+    dtype: str  # a key of DTYPE_BYTES
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
+    tokenizer_path: Path | None = None  # the tokenizer's folder, when it is not the model's
+
+    @property
+    def tokenizer_dir(self) -> Path:
+        return self.tokenizer_path or self.path
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
 
     @property
     def architecture(self) -> str:
@@ -67,10 +71,16 @@ class ModelConfig:
     def from_pretrained(
         cls,
         path: str | Path,
-        dtype: str | torch.dtype = "auto",
+        dtype: str = "auto",
         max_model_len: int | None = None,
         load_format: str = "auto",
+        device: str = "cpu",
+        tokenizer: str | Path | None = None,
+        generation_config: str = "auto",
     ) -> ModelConfig:
+        """generation_config: where the EOS ids come from, as vLLM's option says: "auto" (the
+        model's generation_config.json, else config.json), "vllm" (config.json alone), or a folder
+        with a generation_config.json."""
         path = Path(path)
         config_file = path / "config.json"
         if not config_file.is_file():
@@ -92,31 +102,44 @@ class ModelConfig:
         return cls(
             path=path,
             hf_config=hf_config,
-            dtype=resolve_dtype(dtype, hf_config),
+            dtype=resolve_dtype(dtype, hf_config, device),
             max_model_len=max_model_len,
-            eos_token_ids=_read_eos_token_ids(path, hf_config),
+            eos_token_ids=_read_eos_token_ids(hf_config, _generation_config_file(path, generation_config)),
             load_format=load_format,
+            tokenizer_path=Path(tokenizer) if tokenizer is not None else None,
         )
 
 
-def resolve_dtype(dtype: str | torch.dtype, hf_config: dict[str, Any]) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        # Like vLLM: keep a half-precision checkpoint's dtype, but never run float32 weights on a
-        # GPU by surprise; on CPU "auto" means float32, which is both exact and fast enough.
-        name = hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
-        return _DTYPES.get(name, torch.float32) if torch.cuda.is_available() else torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
-    return _DTYPES[dtype]
+def resolve_dtype(dtype: Any, hf_config: dict[str, Any], device: str = "cpu") -> str:
+    """The dtype's name (a torch dtype or its name, or "auto"). Like vLLM, "auto" keeps a
+    half-precision checkpoint's dtype on a GPU, but never runs float32 weights there by surprise; on
+    a CPU it means float32, which is both exact and fast enough."""
+    name = str(dtype).removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name, name)
+    if name == "auto":
+        if str(device).split(":")[0] != "cuda":
+            return "float32"
+        name = str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32")
+        name = _DTYPE_ALIASES.get(name, name)
+        return name if name in DTYPE_BYTES else "float32"
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of auto, {', '.join([*DTYPE_BYTES, *_DTYPE_ALIASES])}; got {dtype!r}")
+    return name
 
 
-def _read_eos_token_ids(path: Path, hf_config: dict[str, Any]) -> tuple[int, ...]:
+def _generation_config_file(path: Path, generation_config: str) -> Path | None:
+    if generation_config == "vllm":
+        return None
+    folder = path if generation_config == "auto" else Path(generation_config)
+    if generation_config != "auto" and not (folder / "generation_config.json").is_file():
+        raise ValueError(f"generation_config: no generation_config.json in {folder}")
+    return folder / "generation_config.json"
+
+
+def _read_eos_token_ids(hf_config: dict[str, Any], gen_file: Path | None) -> tuple[int, ...]:
     """generation_config.json wins over config.json, as in transformers' `generate`."""
     eos = hf_config.get("eos_token_id")
-    gen_file = path / "generation_config.json"
-    if gen_file.is_file():
+    if gen_file is not None and gen_file.is_file():
         eos = json.loads(gen_file.read_text()).get("eos_token_id", eos)
     if eos is None:
         return ()

@@ -57,7 +57,7 @@ def fake_engine_config(
     async_scheduling: bool = False,
 ) -> EngineConfig:
     model = ModelConfig(
-        path=None, hf_config={"vocab_size": VOCAB, "architectures": ["Fake"]}, dtype=torch.float32,
+        path=None, hf_config={"vocab_size": VOCAB, "architectures": ["Fake"]}, dtype="float32",
         max_model_len=max_model_len, eos_token_ids=eos_token_ids,
     )
     return EngineConfig(

@@ -127,7 +127,7 @@ def test_default_graph_sizes_follow_max_num_seqs():
 
 
 def test_cli_option_reaches_the_config(tiny_model):
-    from ferry.cli import add_engine_args, engine_kwargs
+    from ferry.engine_args import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

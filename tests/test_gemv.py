@@ -65,7 +65,7 @@ def test_linear_uses_each_configuration_for_its_rows_only(monkeypatch):
     real = gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append((a[0].shape[0], a[3])) or real(*a))
     one, few = gemv.CANDIDATES[0], gemv.CANDIDATES[1]
-    layer.gemv_one_row, layer.gemv_few_rows = one, few
+    layer.gemv_one_row, layer.gemv_few_rows, layer.gemv_max_rows = one, few, gemv.MAX_ROWS
     tol = TOLERANCE[DTYPES[-1]]
     for rows in (1, 2, gemv.MAX_ROWS, gemv.MAX_ROWS + 1):
         x = torch.randn(rows, 64, device=DEVICE).to(DTYPES[-1])
@@ -160,7 +160,7 @@ def test_linear_fuses_the_activation_only_where_the_gemv_runs(monkeypatch):
         gate, up = gate_up.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
-    layer.gemv_one_row = gemv.CANDIDATES[0]
+    layer.gemv_one_row, layer.gemv_max_rows = gemv.CANDIDATES[0], gemv.MAX_ROWS
     tol = TOLERANCE[DTYPES[-1]]
     for rows in (1, 2):
         gate_up = torch.randn(rows, 128, device=DEVICE).to(DTYPES[-1])
@@ -223,6 +223,7 @@ def test_decode_through_the_gemv_matches_the_layers_without_it(arch, tmp_path, m
         for layer in model.modules():
             if isinstance(layer, Linear):
                 layer.gemv_one_row, layer.gemv_fuses_norm = config_for_rows, config_for_rows is not None
+                layer.gemv_max_rows = gemv.MAX_ROWS
         positions, metadata = flat_batch([(6, 1)], [[0, 1]], block_size)  # the 7th token of a request
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             setattr(metadata, name, getattr(metadata, name).to(DEVICE))
@@ -245,6 +246,7 @@ def test_the_norm_runs_inside_the_gemv_only_where_tuning_said_so(monkeypatch):
     real = gemv.gemv_rms_norm
     monkeypatch.setattr(gemv, "gemv_rms_norm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     layer.gemv_one_row = layer.gemv_few_rows = gemv.CANDIDATES[0]
+    layer.gemv_max_rows = gemv.MAX_ROWS
     x = torch.randn(2, 64, device=DEVICE).to(DTYPES[-1])
     for fuses, rows in ((False, 1), (True, 2), (True, 1)):
         layer.gemv_fuses_norm = fuses
@@ -281,6 +283,7 @@ def test_tuning_checks_every_variant_it_will_run(monkeypatch):
 def test_empty_batches_take_the_usual_path():
     layer = Linear(64, 48, bias=False).to(DEVICE, DTYPES[-1])
     layer.gemv_one_row = layer.gemv_few_rows = gemv.CANDIDATES[0]
+    layer.gemv_max_rows = gemv.MAX_ROWS
     assert layer(torch.empty(0, 64, device=DEVICE, dtype=DTYPES[-1])).shape == (0, 48)
 
 

@@ -16,7 +16,7 @@ def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int) -> int:
     """Bytes one block takes summed over all layers (K and V), in the model's dtype: the unit to
     divide a memory budget by to get num_blocks."""
     per_layer = 2 * block_size * model_config.num_kv_heads * model_config.head_dim
-    return per_layer * model_config.num_layers * model_config.dtype.itemsize
+    return per_layer * model_config.num_layers * model_config.dtype_bytes
 
 
 def allocate_kv_caches(
@@ -25,4 +25,4 @@ def allocate_kv_caches(
     """One zeroed cache tensor per layer. Zeros, not garbage: a kernel that reads a masked slot
     must not meet NaN bit patterns, which would survive multiplication by a zero weight."""
     shape = kv_cache_shape(model_config, num_blocks, block_size)
-    return [torch.zeros(shape, dtype=model_config.dtype, device=device) for _ in range(model_config.num_layers)]
+    return [torch.zeros(shape, dtype=getattr(torch, model_config.dtype), device=device) for _ in range(model_config.num_layers)]

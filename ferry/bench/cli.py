@@ -153,7 +153,7 @@ def add_bench_command(subparsers) -> argparse._SubParsersAction:
     for command in BENCH_COMMANDS:
         parser = benchmarks.add_parser(command.name, help=command.help, description=command.help)
         command.add_args(parser)
-        parser.set_defaults(func=_runner(command.module))
+        parser.set_defaults(func=_runner(command.module), command_parser=parser)
     return benchmarks
 
 

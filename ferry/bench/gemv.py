@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = copy_bandwidth(torch.device("cuda"))
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.3f} TB/s")
     for model in MODELS:
-        config = ModelConfig.from_pretrained(BENCHMARKS / model, "bfloat16", None, "dummy")
+        config = ModelConfig.from_pretrained(BENCHMARKS / model, "bfloat16", None, "dummy", "cuda")
         for name, (n, k, input_op) in layer_shapes(config).items():
             weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
             with torch.inference_mode():

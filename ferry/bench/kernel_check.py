@@ -324,7 +324,7 @@ def main() -> None:
     for label, max_err, rel_l2, ok in rows:
         print(f"  {label:28s} max err {max_err:.2e}  rel L2 {rel_l2:.2e}  {'PASS' if ok else 'FAIL'}")
 
-    models = {name: ModelConfig.from_pretrained(BENCHMARKS / name) for name in ("qwen3-0.6b", "llama-3.1-8b")}
+    models = {name: ModelConfig.from_pretrained(BENCHMARKS / name, device=device) for name in ("qwen3-0.6b", "llama-3.1-8b")}
     copy_gbs = copy_bandwidth(device) / 1e9
     peak = matmul_tflops(device)
     lines = decode_table(models, device, copy_gbs)

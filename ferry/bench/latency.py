@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     b = bounds(iterations[-1], args.output_len, cost, hw)
     return {
         "model": str(args.model), "architecture": engine.config.model.architecture,
-        "dtype": str(engine.config.model.dtype).removeprefix("torch."), "device": args.device,
+        "dtype": engine.config.model.dtype, "device": args.device,
         "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "bandwidth_bytes_per_s": hw.bandwidth_bytes_per_s},
         "batch_size": args.batch_size, "input_len": args.input_len, "output_len": args.output_len,
         "num_iters": args.num_iters, "num_prefill_steps": iterations[-1].num_prefill_steps,

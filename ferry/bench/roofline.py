@@ -176,7 +176,7 @@ class ModelCost:
             num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=d,
             linear_params=config.num_layers * (attn + mlp), norm_params=config.num_layers * norms + h,
             tied=bool(hf.get("tie_word_embeddings", False)),
-            weight_itemsize=config.dtype.itemsize, kv_itemsize=config.dtype.itemsize,
+            weight_itemsize=config.dtype_bytes, kv_itemsize=config.dtype_bytes,
         )
 
     @property

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from ferry.cli import engine_kwargs
+    from ferry.engine_args import engine_kwargs
     from ferry.engine.engine import make_engine_config
     from ferry.sampling_params import RequestOutputKind, SamplingParams
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from ferry.bench.roofline import (
     ModelCost, RecordedStep, ScheduleRecorder, add_hardware_args, hardware_from_args, paging_waste, step_bound,
 )
-from ferry.cli import add_engine_args, engine_kwargs
+from ferry.engine_args import add_engine_args, engine_kwargs
 from ferry.gc_settings import quiet_gc
 
 MAX_TOKEN_ID = 10000  # random prompt ids are drawn from [0, 10000], as nano-vllm and the baseline do
@@ -66,11 +66,13 @@ def resolve_model_args(args: argparse.Namespace) -> None:
 def setup(args: argparse.Namespace) -> tuple:
     """(engine, hardware, cost model). The ceilings are measured before the engine takes its share
     of device memory (the KV cache is sized from what is free)."""
+    import torch
+
     from ferry.engine.engine import make_engine_config
 
     resolve_model_args(args)
     config = make_engine_config(args.model, **engine_kwargs(args))
-    hw = hardware_from_args(args, args.device, config.model.dtype)
+    hw = hardware_from_args(args, args.device, getattr(torch, config.model.dtype))
     return build_engine(args, config), hw, ModelCost.from_model_config(config.model)
 
 
@@ -155,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
     kv = engine.scheduler.kv_cache
     return {
         "model": str(args.model), "architecture": engine.config.model.architecture,
-        "dtype": str(engine.config.model.dtype).removeprefix("torch."), "device": args.device,
+        "dtype": engine.config.model.dtype, "device": args.device,
         "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "bandwidth_bytes_per_s": hw.bandwidth_bytes_per_s},
         "num_requests": len(prompts), "input_len": input_len, "output_len": output_len,
         "input_tokens": input_tokens, "output_tokens": generated, "expected_output_tokens": sum(output_lens),

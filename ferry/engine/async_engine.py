@@ -119,14 +119,17 @@ class AsyncEngine:
     async def start(
         cls, model: str | Path, engine_kwargs: dict[str, Any], threads: int | None = None,
         timeout_s: float = 900.0, trace: bool = False, restart: RestartPolicy | None = None,
-        on_give_up: Callable[[str], None] | None = None,
+        on_give_up: Callable[[str], None] | None = None, chat_template: str | None = None,
     ) -> AsyncEngine:
         """Spawn the engine process, wait until its model is loaded, and load the tokenizer here
-        (the server tokenizes, so the engine's core spends its time on the model). With `trace`,
-        the engine traces every request (see metrics/tracing.py). With `restart`, an engine process
-        that dies is replaced (see RestartPolicy); `on_give_up(reason)` runs if none will start."""
+        (the server tokenizes, so the engine's core spends its time on the model): from
+        engine_kwargs["tokenizer"] when given, with `chat_template` instead of the model's when
+        given. With `trace`, the engine traces every request (see metrics/tracing.py). With
+        `restart`, an engine process that dies is replaced (see RestartPolicy); `on_give_up(reason)`
+        runs if none will start."""
+        tokenizer_dir = Path(engine_kwargs.get("tokenizer") or model)
         return await cls.spawn(run_engine_process, (str(model), engine_kwargs, threads, trace),
-                               lambda: _load_tokenizer(Path(model)), timeout_s, restart=restart,
+                               lambda: _load_tokenizer(tokenizer_dir, chat_template), timeout_s, restart=restart,
                                on_give_up=on_give_up)
 
     @classmethod
@@ -364,9 +367,9 @@ async def _read_message(reader: asyncio.StreamReader) -> Message:
     return decode(await reader.readexactly(frame_length(header)))
 
 
-def _load_tokenizer(model: Path) -> Tokenizer | None:
-    if not (model / "tokenizer.json").is_file():
+def _load_tokenizer(folder: Path, chat_template: str | None = None) -> Tokenizer | None:
+    if not (folder / "tokenizer.json").is_file():
         return None
     from ferry.tokenizer import Tokenizer
 
-    return Tokenizer.from_pretrained(model)
+    return Tokenizer.from_pretrained(folder, chat_template=chat_template)

@@ -73,10 +73,10 @@ class LLMEngine:
         from ferry.executor.model_runner import build_model_runner
 
         tokenizer = None
-        if (config.model.path / "tokenizer.json").is_file():
+        if (config.model.tokenizer_dir / "tokenizer.json").is_file():
             from ferry.tokenizer import Tokenizer
 
-            tokenizer = Tokenizer.from_pretrained(config.model.path)
+            tokenizer = Tokenizer.from_pretrained(config.model.tokenizer_dir)
         return cls(config, build_model_runner(config), tokenizer, tracer)
 
     # ---- requests in ----
@@ -260,6 +260,8 @@ def make_engine_config(
     enforce_eager: bool | None = None,
     cuda_graph_batch_sizes: list[int] | tuple[int, ...] | None = None,
     async_scheduling: bool | None = None,
+    tokenizer: str | Path | None = None,
+    generation_config: str = "auto",
 ) -> EngineConfig:
     """The engine's configuration from `LLM`'s keyword arguments. enforce_eager None: decode steps
     replay CUDA graphs on a CUDA device, and run eagerly elsewhere (padding buys nothing there).
@@ -270,7 +272,8 @@ def make_engine_config(
         enforce_eager = not on_cuda
     if async_scheduling is None:
         async_scheduling = on_cuda
-    model_config = ModelConfig.from_pretrained(model, dtype, max_model_len, load_format)
+    model_config = ModelConfig.from_pretrained(model, dtype, max_model_len, load_format, device, tokenizer,
+                                               generation_config)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(8192, min(model_config.max_model_len, 16384)) if device != "cpu" else 2048
     return EngineConfig(

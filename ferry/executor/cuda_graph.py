@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
-from ferry.executor.model_runner import ModelInputs, fill_block_table
+from ferry.executor.inputs import ModelInputs, fill_block_table
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,6 @@ the device. A step whose outputs need the host anyway (logprobs) is complete whe
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -27,6 +26,7 @@ import torch
 from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
 from ferry.config import EngineConfig
 from ferry.core.outputs import Logprobs, ModelRunnerOutput, OwedTokens, ScheduledRequest, SchedulerOutput
+from ferry.executor.inputs import ModelInputs, fill_block_table
 from ferry.sample import SamplerOutput, SamplingRow, request_generator
 from ferry.sample.logprobs import score_tokens
 from ferry.sampling_params import SamplingParams
@@ -46,19 +46,6 @@ class _RequestState:
     block_ids: list[int]
     generator: torch.Generator | None
     eos_token_ids: tuple[int, ...]
-
-
-@dataclass
-class ModelInputs:
-    input_ids: torch.Tensor  # (num_tokens,)
-    positions: torch.Tensor  # (num_tokens,)
-    attn_metadata: AttentionMetadata
-    # Rows of the hidden states whose logits are needed: the last token of every request that
-    # samples, then every token of chunks that asked for prompt logprobs. A padded decode batch
-    # (cuda_graph.py) needs its first n rows, a slice: a view, no gather.
-    logits_indices: torch.Tensor | slice
-    sample_rows: list[int]  # index into scheduled of each request that samples
-    prompt_logprob_rows: list[tuple[int, int, int]]  # (scheduled index, first logits row, count)
 
 
 @dataclass
@@ -336,15 +323,6 @@ def _without_in_flight(token_ids: list[int | None], in_flight: Sequence[int]) ->
     for position in in_flight:
         token_ids[position] = 0
     return token_ids
-
-
-def fill_block_table(table: np.ndarray, tables: list[list[int]], lengths: np.ndarray) -> None:
-    """Write row i's first lengths[i] entries from tables[i], in one vectorized assignment; the rest
-    of `table` (num_reqs, width) is left as it is."""
-    width = table.shape[1]
-    table[np.arange(width) < lengths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(tables), table.dtype, int(lengths.sum())
-    )
 
 
 def _logprobs_of(result: SamplerOutput) -> list[Logprobs | None] | None:

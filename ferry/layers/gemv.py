@@ -20,7 +20,7 @@ pass, no float atomics, and the result is the same from run to run.
 
 Which configuration, if any, beats cuBLAS is measured at startup for every distinct layer shape
 (`tune`), in CUDA graphs as decode replays them, separately for one row and for a few rows (two to
-SMALL_BATCH_ROWS): at four rows cuBLAS's tensor-core kernels often win back what they lose at one.
+MAX_ROWS): at four rows cuBLAS's tensor-core kernels often win back what they lose at one.
 A layer fed by a small op is timed together with it, as the model runs it (`path_times`).
 
 At decode batch sizes the small ops between the projections cost more in launches than in work,
@@ -51,11 +51,12 @@ import triton
 import triton.language as tl
 
 from ferry.attention.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
-from ferry.layers.linear import SMALL_BATCH_ROWS
 
 logger = logging.getLogger(__name__)
 
-MAX_ROWS = SMALL_BATCH_ROWS  # the "few rows" bucket is timed at this many rows, its worst case
+# Batches up to this many rows may run the GEMV (Linear dispatches them here once tuned); the "few
+# rows" bucket is timed at this many rows, its worst case.
+MAX_ROWS = 4
 # A GEMV path replaces cuBLAS only when it takes at most this fraction of cuBLAS's time. Replayed
 # from CUDA graphs, 320 calls at a time, the timings repeat within about 1%: a 3% win is real,
 # and at batch 1 a few percent on each of a large model's big layers add up to a tenth of a step.

@@ -26,14 +26,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-# Batches up to this many rows may run the GEMV; larger ones reuse the weights across rows, where
-# cuBLAS's tensor-core kernels win.
-SMALL_BATCH_ROWS = 4
-
-
 class Linear(nn.Linear):
-    # Set by tune_small_batch: the GEMV configurations for one row and for two to SMALL_BATCH_ROWS
-    # rows (None: cuBLAS).
+    # Set by tune_small_batch: the GEMV configurations for one row and for two to gemv_max_rows rows
+    # (None: cuBLAS), gemv.MAX_ROWS (0 until tuned: larger batches reuse the weights across rows,
+    # where cuBLAS's tensor-core kernels win).
+    gemv_max_rows = 0
     gemv_one_row: GemvConfig | None = None
     gemv_few_rows: GemvConfig | None = None
     gemv_fuses_norm = False  # at one row, forward_rms_norm normalizes inside the GEMV
@@ -70,7 +67,7 @@ class Linear(nn.Linear):
         return self(h), residual
 
     def _gemv_config(self, x: torch.Tensor) -> GemvConfig | None:
-        if x.dim() != 2 or not 0 < x.shape[0] <= SMALL_BATCH_ROWS:
+        if x.dim() != 2 or not 0 < x.shape[0] <= self.gemv_max_rows:
             return None
         return self.gemv_one_row if x.shape[0] == 1 else self.gemv_few_rows
 
@@ -98,10 +95,11 @@ def tune_small_batch(model: nn.Module) -> None:
                 logger.warning("small-batch GEMV tuning failed for %s, using cuBLAS: %s", key, e)
                 choices[key] = (None, None, False)
         layer.gemv_one_row, layer.gemv_few_rows, layer.gemv_fuses_norm = choices[key]
+        layer.gemv_max_rows = _gemv().MAX_ROWS
     for key, (one, few, fuses_norm) in choices.items():
         after = f" after {key[4]}" if key[4] else ""
         logger.info("linear %s x %s%s: 1 row %s%s; 2-%d rows %s", key[0], key[1], after, one or "cuBLAS",
-                    " (RMSNorm inside)" if fuses_norm else "", SMALL_BATCH_ROWS, few or "cuBLAS")
+                    " (RMSNorm inside)" if fuses_norm else "", _gemv().MAX_ROWS, few or "cuBLAS")
 
 
 class MergedLinear(Linear):

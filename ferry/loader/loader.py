@@ -30,7 +30,7 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
     model_class = get_model_class(model_config.architecture)
     # Find the files before building, so a wrong path fails in a moment, not after allocation.
     files = checkpoint_files(model_config.path) if model_config.load_format == "auto" else []
-    with torch.device(device), _default_dtype(model_config.dtype):
+    with torch.device(device), _default_dtype(getattr(torch, model_config.dtype)):
         model = model_class(model_config)
     if model_config.load_format == "dummy":
         init_dummy_weights(model, torch.device(device))

@@ -79,8 +79,9 @@ class Tokenizer:
         ]
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
-        """Load the tokenizer of a Hugging Face model folder (tokenizer.json is required)."""
+    def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """Load the tokenizer of a Hugging Face model folder (tokenizer.json is required); with
+        `chat_template`, that template instead of the folder's."""
         model_dir = Path(model_dir)
         tokenizer_file = model_dir / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -103,7 +104,7 @@ class Tokenizer:
         return cls(
             backend,
             special_tokens,
-            read_chat_templates(model_dir, config),
+            {"default": chat_template} if chat_template is not None else read_chat_templates(model_dir, config),
             int(limit) if isinstance(limit, (int, float)) and limit < _NO_LIMIT else None,
         )
 
