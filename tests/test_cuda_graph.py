@@ -393,10 +393,10 @@ def test_replay_equals_eager_forward_on_the_same_padded_inputs(tiny_model, dtype
 
 @gpu
 def test_programmatic_dependent_launch_changes_no_bit(tiny_model, monkeypatch):
-    """Kernels launched with PDL (attention/kernels/pdl.py) start before the one before them ends;
+    """Kernels launched with PDL (kernels/pdl.py) start before the one before them ends;
     waiting where they must, they compute exactly what they compute launched one after another.
     The same decode step, replayed many times, against the runner built with PDL off."""
-    from ferry.attention.kernels.pdl import use_pdl
+    from ferry.kernels.pdl import use_pdl
 
     def replayed_logits(pdl: bool) -> list[torch.Tensor]:
         monkeypatch.setenv("FERRY_PDL", "1" if pdl else "0")

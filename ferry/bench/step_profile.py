@@ -13,7 +13,7 @@
   minus this is the time the GPU waited for the host;
 - the kernels that take the most of it, per step.
 
-With programmatic dependent launch (on Hopper: attention/kernels/pdl.py) a kernel starts before the
+With programmatic dependent launch (on Hopper: kernels/pdl.py) a kernel starts before the
 one before it ends and its time includes that wait: kernel times then overlap and add up to more
 than the step. FERRY_PDL=0 launches them one after another, for a breakdown by kernel.
 
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> None:
         gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.profile_steps
         print(f"GPU ms per step (kernel time, profiled): {gpu_ms:.3f}; the GPU waits for the host "
               f"about {max(0.0, step_ms - gpu_ms):.3f} ms of each step")
-        from ferry.attention.kernels.pdl import use_pdl  # (Triton: CUDA only)
+        from ferry.kernels.pdl import use_pdl  # (Triton: CUDA only)
 
         if use_pdl(torch.device(args.device)):
             print("(kernels launched with PDL overlap the one before them: their times include the wait, "

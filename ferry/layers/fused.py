@@ -13,7 +13,7 @@ once and writes its outputs once:
 The layers call these only on CUDA tensors; elsewhere they keep their torch code, which follows
 Hugging Face's rounding exactly (tests/test_fused_ops.py holds the kernels to it, within bf16
 tolerances). Each launches with programmatic dependent launch where the device has it
-(attention/kernels/pdl.py), loading its weights while the kernel before it finishes. Rounding here: sums and statistics in float32, results cast to the activations'
+(kernels/pdl.py), loading its weights while the kernel before it finishes. Rounding here: sums and statistics in float32, results cast to the activations'
 dtype where Hugging Face casts them (the residual sum, the normalized value before the weight).
 """
 
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferry.attention.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
+from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
 
 @triton.jit

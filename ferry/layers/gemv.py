@@ -34,7 +34,7 @@ kernels round (the activation wherever the GEMV serves a batch, the norm at one 
 So cuBLAS for Llama-3.1-8B's gate_up_proj (within 4% of this kernel alone) can still lose to the GEMV
 once the norm's kernel is counted on cuBLAS's side.
 
-On Hopper the kernel launches with programmatic dependent launch (attention/kernels/pdl.py): its
+On Hopper the kernel launches with programmatic dependent launch (kernels/pdl.py): its
 programs start while the kernel before it finishes, and load their first weight tile before
 waiting for the input that kernel writes. The gap between two kernels, a microsecond or two of
 idle bandwidth, is then spent streaming weights.
@@ -50,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferry.attention.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
+from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
 logger = logging.getLogger(__name__)
 

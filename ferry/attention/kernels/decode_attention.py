@@ -34,7 +34,7 @@ import triton.language as tl
 
 from ferry.attention.kernels.launch import block_d, dot_precision, num_multiprocessors
 from ferry.attention.kernels.paged_tiles import LOG2_E, load_kv_tile, online_softmax_step
-from ferry.attention.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
+from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
 # tl.dot needs at least 16 rows per operand.
 _MIN_DOT_ROWS = 16

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ferry.attention.kernels.launch import floor_power_of_2, num_multiprocessors
-from ferry.attention.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
+from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
 # One warp moves 32 lanes x 16 bytes = 512 bytes per vector instruction.
 _BYTES_PER_WARP = 32 * 16
