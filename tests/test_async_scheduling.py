@@ -244,7 +244,7 @@ def test_launching_a_decode_step_never_waits_for_the_device(model_path, eager, n
               "min_tokens": SamplingParams(temperature=0.8, top_k=20, min_tokens=30, max_tokens=40)}[name]
     llm = LLM(model=model_path, dtype="bfloat16", device="cuda", block_size=4, num_kv_blocks=256,
               async_scheduling=True, enforce_eager=eager, cuda_graph_batch_sizes=[1, 2, 4])
-    engine, runner = llm.engine, llm.engine.model_runner
+    engine, runner = llm.engine, llm.engine.executor
     for i, prompt in enumerate(PROMPTS[:3]):
         engine.add_request(str(i), prompt, params)
     for _ in range(3):  # prefill, then decodes

@@ -224,7 +224,7 @@ def test_engine_through_graphs_equals_eager(tiny_model, monkeypatch):
     for eager in (True, False):
         llm = LLM(model=tiny_model, dtype="float32", block_size=BLOCK_SIZE, num_kv_blocks=128,
                   enforce_eager=eager, cuda_graph_batch_sizes=(1, 2, 4))
-        graphs = llm.engine.model_runner.decode_graphs
+        graphs = llm.engine.executor.decode_graphs
         calls = []
         if graphs is not None:
             forward = graphs.forward
@@ -325,7 +325,7 @@ def generate_on_gpu(model_args: dict, enforce_eager: bool, prompt_lens: list[int
     """Greedy outputs (token ids, top-2 logprobs per step) and the number of graph replays."""
     llm = LLM(**model_args, dtype=dtype, device="cuda", num_kv_blocks=1024, max_num_seqs=8,
               enforce_eager=enforce_eager)
-    graphs = llm.engine.model_runner.decode_graphs
+    graphs = llm.engine.executor.decode_graphs
     assert (graphs is None) == enforce_eager
     replays = []
     if graphs is not None:

@@ -18,7 +18,7 @@ from test_scheduler import assert_all_blocks_free, run
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(async_scheduling):
     engine = fake_engine(async_scheduling=async_scheduling)
-    runner = engine.model_runner
+    runner = engine.executor
     launch, calls = runner.launch, {"n": 0}
 
     def failing_third_launch(scheduler_output):
@@ -65,7 +65,7 @@ def test_device_faults_propagate():
     def cuda_fault(scheduler_output):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-    engine.model_runner.launch = cuda_fault
+    engine.executor.launch = cuda_fault
     engine.add_request("0", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="CUDA error"):
         engine.step()

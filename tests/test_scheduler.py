@@ -32,7 +32,7 @@ def assert_all_blocks_free(engine):
     assert pool.num_free_blocks == pool.num_blocks
     assert all(count == 0 for count in pool.ref_counts)
     assert not engine.scheduler.requests
-    assert not engine.model_runner._states
+    assert not engine.executor._states
 
 
 def random_prompts(n, low, high, seed=0):
@@ -62,7 +62,7 @@ def test_chunked_prefill_shares_steps_with_decodes():
         so = engine.scheduler.schedule()
         assert so.num_scheduled_tokens <= 8
         scheduled_mixes.append(sorted(len(s.token_ids) for s in so.scheduled))
-        runner_output = engine.model_runner.execute(so)
+        runner_output = engine.executor.execute(so)
         updates = engine.scheduler.update_from_output(so, runner_output)
         for out in engine.output_processor.process(updates)[0]:
             if out.finished:
@@ -184,3 +184,44 @@ def test_duplicate_request_id_is_rejected():
     engine.add_request("a", {"prompt_token_ids": [1]}, SamplingParams())
     with pytest.raises(ValueError, match="already in use"):
         engine.add_request("a", {"prompt_token_ids": [1]}, SamplingParams())
+
+
+class OnlyTheSeam:
+    """An executor that is nothing but the four members of the Executor protocol, over a ModelRunner:
+    what a multi-process executor would offer."""
+
+    def __init__(self, runner) -> None:
+        self._runner = runner
+        self.launched = 0
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._runner.num_kv_blocks
+
+    def launch(self, scheduler_output):
+        self.launched += 1
+        return self._runner.launch(scheduler_output)
+
+    def collect(self, step):
+        return self._runner.collect(step)
+
+    def shutdown(self) -> None:
+        self._runner.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_needs_nothing_of_its_executor_but_the_protocol(async_scheduling):
+    from ferry.engine.engine import LLMEngine
+    from ferry.executor.executor import Executor
+
+    inner = fake_engine(async_scheduling=async_scheduling)
+    executor = OnlyTheSeam(inner.executor)
+    assert isinstance(executor, Executor) and isinstance(inner.executor, Executor)
+    engine = LLMEngine(inner.config, executor, tokenizer=None)
+    prompts = random_prompts(5, 1, 30)
+    final = run(engine, prompts, SamplingParams(max_tokens=9))
+    for i, prompt in enumerate(prompts):
+        assert final[str(i)].outputs[0].token_ids == reference_tokens(prompt, 9)
+    assert executor.launched > 0
+    engine.shutdown()
+    assert inner.executor.model is None and not inner.executor.kv_caches

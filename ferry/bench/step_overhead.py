@@ -59,7 +59,7 @@ def null_engine(model: str | None, num_requests: int, block_size: int) -> LLMEng
 def timed_step(engine: LLMEngine) -> dict[str, float]:
     """One step, timed by phase. Sampling is timed apart: on a GPU it is device work, here it runs
     on CPU tensors and would hide the bookkeeping this benchmark is about."""
-    runner = engine.model_runner
+    runner = engine.executor
     t0 = time.perf_counter()
     scheduler_output = engine.scheduler.schedule()
     engine.output_processor.mark_scheduled([s.request_id for s in scheduler_output.scheduled if s.new], t0)

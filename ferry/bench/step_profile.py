@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> None:
           f"{args.batch_size} requests decoding, contexts from {args.input_len + args.warmup_steps} tokens")
     step_ms = _timed(engine.step, args.steps, sync)
     print(f"step ms: {step_ms:.3f} (mean of {args.steps})")
-    graphs = engine.model_runner.decode_graphs
+    graphs = engine.executor.decode_graphs
     if graphs is not None and graphs.num_captured:
         b = graphs.padded_size(args.batch_size)
         replay_ms = _timed(graphs._graphs[b].replay, args.steps, sync)

@@ -36,6 +36,7 @@ from ferry.outputs import RequestOutput
 from ferry.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from ferry.executor.executor import Executor
     from ferry.executor.model_runner import LaunchedStep
     from ferry.metrics.tracing import RequestTracer
     from ferry.tokenizer import Tokenizer
@@ -49,14 +50,12 @@ logger = logging.getLogger(__name__)
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, model_runner, tokenizer: Tokenizer | None, tracer: RequestTracer | None = None,
+        self, config: EngineConfig, executor: Executor, tokenizer: Tokenizer | None, tracer: RequestTracer | None = None,
     ) -> None:
         self.config = config
-        self.model_runner = model_runner
+        self.executor = executor  # runs the model: executor/executor.py says what the engine needs of it
         self.tokenizer = tokenizer
-        kv_cache = KVCacheManager(
-            model_runner.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
+        kv_cache = KVCacheManager(executor.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv_cache)
         self.output_processor = OutputProcessor(tokenizer)
         self.tracer = tracer
@@ -144,6 +143,10 @@ class LLMEngine:
         if self.tracer is not None:
             self.tracer.finished(child_ids, str(FinishReason.ABORT), time.monotonic())
 
+    def shutdown(self) -> None:
+        """Release the executor (device memory, workers); the engine serves nothing after it."""
+        self.executor.shutdown()
+
     # ---- the step ----
 
     def has_unfinished_requests(self) -> bool:
@@ -182,10 +185,10 @@ class LLMEngine:
         self._unapplied.append(scheduler_output)
         # A request's queue time ends when it is first scheduled (new: admitted, or resumed).
         self.output_processor.mark_scheduled([s.request_id for s in scheduler_output.scheduled if s.new], start)
-        return _Launched(scheduler_output, self.model_runner.launch(scheduler_output), start)
+        return _Launched(scheduler_output, self.executor.launch(scheduler_output), start)
 
     def _complete(self, launched: _Launched, trace_end: float | None = None) -> list[RequestOutput]:
-        runner_output = self.model_runner.collect(launched.step)
+        runner_output = self.executor.collect(launched.step)
         updates = self.scheduler.update_from_output(launched.scheduler_output, runner_output)
         self._unapplied = [o for o in self._unapplied if o is not launched.scheduler_output]
         outputs, stopped, failed = self.output_processor.process(updates)
@@ -233,7 +236,7 @@ class LLMEngine:
 @dataclass
 class _Launched:
     scheduler_output: SchedulerOutput
-    step: LaunchedStep
+    step: LaunchedStep  # the executor's handle
     start: float  # when it was scheduled
 
 

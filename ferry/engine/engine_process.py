@@ -67,6 +67,7 @@ def run_engine_process(
         engine = LLMEngine.from_config(make_engine_config(model, **engine_kwargs), tracer)
         quiet_gc()
         EngineLoop(engine, channel, finished_traces).run()
+        engine.shutdown()
     except BaseException:
         _report_failure(channel)
         _exit(1)

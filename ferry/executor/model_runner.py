@@ -59,6 +59,8 @@ class LaunchedStep:
 
 
 class ModelRunner:
+    """The in-process, one-device `Executor` (executor.py)."""
+
     def __init__(
         self,
         config: EngineConfig,
@@ -88,6 +90,16 @@ class ModelRunner:
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_caches[0].shape[1]
+
+    def shutdown(self) -> None:
+        """Drop the model, the KV cache and the graphs, so that their device memory can be freed."""
+        self.decode_graphs = None
+        self.kv_caches = []
+        self.model = None
+        self._states.clear()
+        self._last_sampled = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- the step ----
 
