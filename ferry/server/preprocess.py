@@ -21,6 +21,7 @@ from ferry.sampling_params import SamplingParams
 from ferry.server.config import ServerConfig
 from ferry.server.errors import ApiError, bad_request
 from ferry.server.protocol import ChatMessage, Prompt, SamplingFields
+from ferry.tokenizer.tokenizer import PromptTooLong
 
 _PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))
 M = TypeVar("M", bound=BaseModel)
@@ -188,27 +189,31 @@ def chat_prompt(
     """The conversation rendered with the model's chat template, and its token ids."""
     tokenizer = _tokenizer(engine, "messages")
     conversation = [_message_dict(m, i) for i, m in enumerate(messages)]
+    max_chars = engine.info.max_model_len * tokenizer.max_chars_per_token
     try:
-        text = tokenizer.apply_chat_template(conversation, add_generation_prompt, tools, **(template_kwargs or {}))
+        prompt = tokenizer.chat_prompt(conversation, add_generation_prompt, tools, max_chars, **(template_kwargs or {}))
+    except PromptTooLong:
+        raise _too_long("messages", engine) from None
     except Exception as e:  # templates are the model's code: any error there is the request's
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
-    check_text_length(text, tokenizer, engine, "messages")
-    token_ids = tokenizer.encode(text, add_special_tokens=False)
-    if not token_ids:
+    if not prompt.token_ids:
         raise bad_request("the messages render to an empty prompt", "messages")
-    return EnginePrompt(token_ids, text)
+    return EnginePrompt(prompt.token_ids, prompt.text)
 
 
 def check_text_length(text: str, tokenizer, engine: AsyncEngine, param: str) -> None:
     """400 for a text that must have more tokens than the context holds, before tokenizing it (a
     20 MB prompt would take seconds): no token stands for more than max_chars_per_token characters."""
-    limit = engine.info.max_model_len * tokenizer.max_chars_per_token
-    if len(text) > limit:
-        raise bad_request(
-            f"This model's maximum context length is {engine.info.max_model_len} tokens, and the prompt has "
-            f"{len(text)} characters: more tokens than that. Please shorten the prompt.",
-            param, "context_length_exceeded",
-        )
+    if len(text) > engine.info.max_model_len * tokenizer.max_chars_per_token:
+        raise _too_long(param, engine, len(text))
+
+
+def _too_long(param: str, engine: AsyncEngine, chars: int | None = None) -> ApiError:
+    length = f"{chars} characters, more" if chars is not None else "more characters"
+    return bad_request(
+        f"This model's maximum context length is {engine.info.max_model_len} tokens, and the prompt has {length} "
+        "than that many tokens can hold. Please shorten the prompt.", param, "context_length_exceeded",
+    )
 
 
 def _message_dict(message: ChatMessage, index: int) -> dict[str, Any]:

@@ -38,6 +38,16 @@ _NO_LIMIT = 2**60
 
 
 @dataclass(frozen=True)
+class ChatPrompt:
+    text: str
+    token_ids: list[int]
+
+
+class PromptTooLong(ValueError):
+    """A rendered prompt longer than the caller can take."""
+
+
+@dataclass(frozen=True)
 class SpecialTokens:
     """A model's special tokens as strings, from tokenizer_config.json (and the legacy
     special_tokens_map.json). `named` maps attribute to token ("bos_token" -> "<s>") and includes
@@ -184,6 +194,23 @@ class Tokenizer:
         variables = {**self.special_tokens.named, **kwargs}
         return template.render(messages, add_generation_prompt, tools, variables)
 
+    def chat_prompt(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        max_chars: int | None = None,
+        **kwargs: Any,
+    ) -> ChatPrompt:
+        """The chat prompt: the rendered text and its token ids, encoded without special tokens (the
+        template writes its own). The one way every caller (the server, `LLM.chat`, the command line)
+        builds a chat prompt. A text of more than max_chars characters raises PromptTooLong before it
+        is tokenized; a failing template, ValueError."""
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+        if max_chars is not None and len(text) > max_chars:
+            raise PromptTooLong(f"the chat prompt has {len(text)} characters; at most {max_chars} fit")
+        return ChatPrompt(text, self.encode(text, add_special_tokens=False))
+
     def encode_chat(
         self,
         messages: list[Message],
@@ -191,9 +218,8 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         **kwargs: Any,
     ) -> list[int]:
-        """Token ids of the rendered chat prompt; the template already wrote its special tokens."""
-        prompt = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
-        return self.encode(prompt, add_special_tokens=False)
+        """Token ids of the chat prompt (chat_prompt's), as transformers' apply_chat_template(tokenize=True)."""
+        return self.chat_prompt(messages, add_generation_prompt, tools, **kwargs).token_ids
 
 
 def _read_json(path: Path) -> dict[str, Any]:
