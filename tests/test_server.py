@@ -821,3 +821,33 @@ def test_malformed_http_gets_a_json_400(server):
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower()
     assert json.loads(body)["error"]["code"] == "malformed_http"
+
+
+def test_a_hostile_chat_template_fails_its_request_and_nothing_else(tiny_model, tmp_path):
+    """A template that would loop for hours is cut at the render's deadline: its request gets a 400,
+    and /health and plain completions are served meanwhile."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    srv = ServerProcess(model, tmp_path / "server.log").wait_ready()
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+                chat = asyncio.create_task(c.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2}))
+                health = []
+                while not chat.done():
+                    start = time.monotonic()
+                    assert (await c.get("/health")).status_code == 200
+                    health.append(time.monotonic() - start)
+                    await asyncio.sleep(0.01)
+                completion = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+                return chat.result(), health, completion
+
+        started = time.monotonic()
+        chat, health, completion = asyncio.run(run())
+        assert chat.status_code == 400 and "took longer than" in chat.json()["error"]["message"]
+        assert time.monotonic() - started < 10 and completion.status_code == 200
+        assert health and max(health) < 1.0
+    finally:
+        srv.stop()
