@@ -20,6 +20,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -102,7 +103,7 @@ class ServerState:
                            headers={"Retry-After": "5"})
         raise ApiError(503, "the engine is not running", code="engine_dead")
 
-    async def respond(self, request: Request, kind: str, body: SamplingFields) -> Response:
+    async def respond(self, request: Request, kind: Literal["completions", "chat"], body: SamplingFields) -> Response:
         """Plan the request, admit its engine requests, then stream its chunks or send their fold.
         Planning (tokenization, the chat template) runs off the event loop: a long prompt or a slow
         template must not stall every other client."""
