@@ -7,6 +7,7 @@ in which dtype, how the KV cache is cut into blocks, and how much work one step 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,18 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+ATTENTION_BACKENDS = ("torch", "triton")
+
+
+def environment_defaults() -> dict[str, Any]:
+    """The EngineConfig fields the environment sets, read here once (no kernel reads it):
+    FERRY_ATTENTION_BACKEND=torch|triton and FERRY_PDL=0."""
+    return {
+        "attention_backend": os.environ.get("FERRY_ATTENTION_BACKEND", "").strip().lower() or None,
+        "pdl": os.environ.get("FERRY_PDL", "1") != "0",
+    }
+
+
 # Decode batch sizes that get a CUDA graph by default (as in vLLM): every power of two up to 8, then
 # every multiple of 8, so a batch is padded by at most 7 rows; above 256 a step's launches cost
 # little next to its matmuls, and each size more adds startup time and graph memory.
@@ -198,11 +211,20 @@ class EngineConfig:
     # Schedule and launch each step before waiting for the last one's tokens (engine/engine.py;
     # make_engine_config's default: on CUDA only).
     async_scheduling: bool = False
+    # The attention backend: "torch" (the reference) or "triton"; None: the device's default (Triton
+    # on CUDA where it imports). make_engine_config's default: $FERRY_ATTENTION_BACKEND.
+    attention_backend: str | None = None
+    # Programmatic dependent launch for the decode path's Triton kernels, where the GPU has it
+    # (Hopper and newer). make_engine_config's default: on, unless FERRY_PDL=0.
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         sizes = self.cuda_graph_batch_sizes
         if sizes is not None and (not sizes or min(sizes) < 1):
             raise ValueError(f"cuda_graph_batch_sizes must be positive batch sizes, got {sizes}")
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} (or unset), "
+                             f"got {self.attention_backend!r}")
 
     @property
     def decode_graph_sizes(self) -> tuple[int, ...]:

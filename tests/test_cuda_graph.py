@@ -396,15 +396,15 @@ def test_programmatic_dependent_launch_changes_no_bit(tiny_model, monkeypatch):
     """Kernels launched with PDL (kernels/pdl.py) start before the one before them ends;
     waiting where they must, they compute exactly what they compute launched one after another.
     The same decode step, replayed many times, against the runner built with PDL off."""
-    from ferry.kernels.pdl import use_pdl
+    from ferry.kernels.pdl import enable_pdl, use_pdl
 
     def replayed_logits(pdl: bool) -> list[torch.Tensor]:
         monkeypatch.setenv("FERRY_PDL", "1" if pdl else "0")
-        use_pdl.cache_clear()
-        assert use_pdl(torch.device("cuda")) == (pdl and torch.cuda.get_device_capability() >= (9, 0))
         config = make_engine_config(tiny_model, dtype="bfloat16", device="cuda", block_size=16, num_kv_blocks=64,
                                     max_num_seqs=8, enforce_eager=False)
+        assert config.pdl == pdl
         runner = build_model_runner(config)
+        assert use_pdl(torch.device("cuda")) == (pdl and torch.cuda.get_device_capability() >= (9, 0))
         prompts = PROMPTS[:5]
         scheduled = decode_step(prompts, prefill(runner, prompts), 0)
         with torch.inference_mode():
@@ -415,5 +415,5 @@ def test_programmatic_dependent_launch_changes_no_bit(tiny_model, monkeypatch):
     try:
         with_pdl, without = replayed_logits(True), replayed_logits(False)
     finally:
-        use_pdl.cache_clear()
+        enable_pdl(True)
     assert all(torch.equal(a, without[0]) for a in with_pdl + without)

@@ -28,7 +28,7 @@ if INTERPRET:
 from ferry.attention.kernels.decode_attention import decode_attention  # noqa: E402
 from ferry.attention.kernels.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
 from ferry.attention.kernels.store_kv import store_kv  # noqa: E402
-from ferry.attention.selector import ENV_VAR, get_attention_backend  # noqa: E402
+from ferry.attention.selector import get_attention_backend  # noqa: E402
 from ferry.attention.torch_ref import TorchReferenceBackend  # noqa: E402
 from ferry.attention.torch_ref import store_kv as reference_store_kv  # noqa: E402
 from ferry.attention.triton_backend import TritonAttentionBackend  # noqa: E402
@@ -166,16 +166,25 @@ def test_padding_rows_are_neither_stored_nor_attended(chunks):
     assert torch.count_nonzero(padded[-pad:]) == 0
 
 
-def test_selector_defaults_and_env_override(monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
+def test_selector_defaults_and_override(monkeypatch):
     assert isinstance(get_attention_backend("cpu"), TorchReferenceBackend)
-    monkeypatch.setenv(ENV_VAR, "triton")
-    assert isinstance(get_attention_backend("cpu"), TritonAttentionBackend)
-    monkeypatch.setenv(ENV_VAR, "torch")
-    assert isinstance(get_attention_backend("cuda"), TorchReferenceBackend)
-    monkeypatch.setenv(ENV_VAR, "flash")
-    with pytest.raises(ValueError, match=ENV_VAR):
-        get_attention_backend("cpu")
+    assert isinstance(get_attention_backend("cpu", "triton"), TritonAttentionBackend)
+    assert isinstance(get_attention_backend("cuda", "torch"), TorchReferenceBackend)
+    with pytest.raises(ValueError, match="flash"):
+        get_attention_backend("cpu", "flash")
+
+
+def test_the_environment_is_read_once_into_the_config(monkeypatch, tmp_path):
+    from ferry.config import EngineConfig, environment_defaults
+
+    monkeypatch.delenv("FERRY_ATTENTION_BACKEND", raising=False)
+    monkeypatch.delenv("FERRY_PDL", raising=False)
+    assert environment_defaults() == {"attention_backend": None, "pdl": True}
+    monkeypatch.setenv("FERRY_ATTENTION_BACKEND", "Triton ")
+    monkeypatch.setenv("FERRY_PDL", "0")
+    assert environment_defaults() == {"attention_backend": "triton", "pdl": False}
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(model=None, cache=None, scheduler=None, attention_backend="flash")
 
 
 # ---- long contexts: GPU only ----

@@ -1,28 +1,26 @@
 """Which attention backend a device gets.
 
-Triton on CUDA devices when Triton imports; the torch reference everywhere else. The environment
-variable FERRY_ATTENTION_BACKEND=torch|triton overrides the choice: `torch` to compare against the
-reference on a GPU, `triton` to run the kernels anyway (on a CPU that needs TRITON_INTERPRET=1).
-Backends are imported only when chosen, so ferry runs where Triton is not installed.
+Triton on CUDA devices when Triton imports; the torch reference everywhere else. A name overrides
+the choice (EngineConfig.attention_backend, from FERRY_ATTENTION_BACKEND=torch|triton): `torch` to
+compare against the reference on a GPU, `triton` to run the kernels anyway (on a CPU that needs
+TRITON_INTERPRET=1). Backends are imported only when chosen, so ferry runs where Triton is not
+installed.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from ferry.attention.backend import AttentionBackend
-
-ENV_VAR = "FERRY_ATTENTION_BACKEND"
-BACKENDS = ("torch", "triton")
+from ferry.config import ATTENTION_BACKENDS as BACKENDS
 
 
-def get_attention_backend(device: torch.device | str) -> AttentionBackend:
-    name = os.environ.get(ENV_VAR, "").strip().lower() or default_backend_name(torch.device(device))
+def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
+    name = name or default_backend_name(torch.device(device))
     if name not in BACKENDS:
-        raise ValueError(f"{ENV_VAR}={name!r}: choose one of {BACKENDS}")
+        raise ValueError(f"attention backend {name!r}: choose one of {BACKENDS}")
     if name == "triton":
         from ferry.attention.triton_backend import TritonAttentionBackend
 

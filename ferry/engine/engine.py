@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ferry.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from ferry.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, environment_defaults
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.outputs import SchedulerOutput
 from ferry.core.request import FinishReason, Request
@@ -265,6 +265,8 @@ def make_engine_config(
     async_scheduling: bool | None = None,
     tokenizer: str | Path | None = None,
     generation_config: str = "auto",
+    attention_backend: str | None = None,
+    pdl: bool | None = None,
 ) -> EngineConfig:
     """The engine's configuration from `LLM`'s keyword arguments. enforce_eager None: decode steps
     replay CUDA graphs on a CUDA device, and run eagerly elsewhere (padding buys nothing there).
@@ -277,6 +279,7 @@ def make_engine_config(
         async_scheduling = on_cuda
     model_config = ModelConfig.from_pretrained(model, dtype, max_model_len, load_format, device, tokenizer,
                                                generation_config)
+    environment = environment_defaults()
     if max_num_batched_tokens is None:
         max_num_batched_tokens = max(8192, min(model_config.max_model_len, 16384)) if device != "cpu" else 2048
     return EngineConfig(
@@ -288,4 +291,6 @@ def make_engine_config(
         enforce_eager=enforce_eager,
         cuda_graph_batch_sizes=None if cuda_graph_batch_sizes is None else tuple(cuda_graph_batch_sizes),
         async_scheduling=async_scheduling,
+        attention_backend=attention_backend if attention_backend is not None else environment["attention_backend"],
+        pdl=pdl if pdl is not None else environment["pdl"],
     )

@@ -14,6 +14,7 @@ the device. A step whose outputs need the host anyway (logprobs) is complete whe
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from collections.abc import Sequence
@@ -357,6 +358,10 @@ def build_model_runner(config: EngineConfig) -> ModelRunner:
 
     device = torch.device(config.device)
     torch.manual_seed(config.seed)
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        from ferry.kernels.pdl import enable_pdl
+
+        enable_pdl(config.pdl)  # before any kernel launches: the GEMV's tuning, the graphs' capture
     start = time.perf_counter()
     model = load_model(config.model, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -367,7 +372,7 @@ def build_model_runner(config: EngineConfig) -> ModelRunner:
     kv_caches = allocate_kv_caches(config.model, num_blocks, config.cache.block_size, device)
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, config.cache.block_size,
                 num_blocks * config.cache.block_size, num_blocks * bytes_per_block / 1e9)
-    backend = get_attention_backend(device)
+    backend = get_attention_backend(device, config.attention_backend)
     decode_graphs = _decode_graphs(config, model, kv_caches, backend)
     return ModelRunner(config, model, kv_caches, backend, Sampler(seed=config.seed, device=device), decode_graphs)
 

@@ -33,11 +33,21 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
+_enabled = True  # set once by the executor from EngineConfig.pdl (enable_pdl)
+
+
+def enable_pdl(enabled: bool) -> None:
+    """Whether this process's kernels may launch with PDL at all (EngineConfig.pdl; FERRY_PDL=0 off)."""
+    global _enabled
+    _enabled = enabled
+    use_pdl.cache_clear()
+
+
 @functools.lru_cache(maxsize=None)
 def use_pdl(device: torch.device) -> bool:
     """Whether kernels on this device launch with PDL: CUDA devices of compute capability 9.0
-    (Hopper) and newer, unless FERRY_PDL=0. Never under Triton's interpreter (CPU tensors)."""
-    if device.type != "cuda" or os.environ.get("FERRY_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1":
+    (Hopper) and newer, while enabled. Never under Triton's interpreter (CPU tensors)."""
+    if device.type != "cuda" or not _enabled or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return torch.cuda.get_device_capability(device) >= (9, 0)
 
