@@ -14,20 +14,18 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from ferry.engine.async_engine import AsyncEngine
 from ferry.metrics.latency import RequestClock
 from ferry.outputs import CompletionOutput
 from ferry.sampling_params import SamplingParams
-from ferry.server.config import ServerConfig
 from ferry.server.errors import bad_request
 from ferry.server.logprobs import chat_logprobs
-from ferry.server.metrics import ServerMetrics
 from ferry.server.preprocess import EnginePrompt, chat_prompt, check_context, check_fan_out, check_model, sampling_params
 from ferry.server.protocol import (
     ChatChoiceLogprobs, ChatCompletionChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse,
-    ChatCompletionStreamChoice, ChatMessageOut, DeltaMessage, PromptTokensDetails, TextDelta, UsageInfo,
+    ChatCompletionStreamChoice, ChatMessageOut, DeltaMessage, TextDelta,
     stream_head,
 )
+from ferry.server.serving import Serving
 
 
 @dataclass(frozen=True)
@@ -45,11 +43,10 @@ class ChatPlan:
     num_engine_requests = 1  # the engine runs the n choices as one request
 
 
-class ChatServing:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics) -> None:
-        self.engine = engine
-        self.config = config
-        self.metrics = metrics
+class ChatServing(Serving[ChatPlan, ChatCompletionResponse]):
+    @staticmethod
+    async def fold(chunks: AsyncIterator) -> ChatCompletionResponse:
+        return await fold_chat(chunks)
 
     def plan(self, request: ChatCompletionRequest, arrival_time: float) -> ChatPlan:
         """Render and check the request against the model and the server's limits; raises ApiError."""
@@ -85,7 +82,7 @@ class ChatServing:
                     self.metrics.observe(clock.update(output, time.monotonic()))
                     cached_tokens = output.num_cached_tokens
                     for completion in output.outputs:
-                        delta = choices[completion.index].update(completion, self._decode, head)
+                        delta = choices[completion.index].update(completion, self._decode_one, head)
                         if isinstance(delta, TextDelta):
                             yield delta
                         elif delta is not None:
@@ -93,25 +90,16 @@ class ChatServing:
         finally:
             self.metrics.finished([c.finish_reason or "abort" for c in choices])
         if include_usage:
-            prompt_tokens = len(plan.prompt.token_ids)
-            completion_tokens = sum(c.num_tokens for c in choices)
-            usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=prompt_tokens + completion_tokens,
-                              prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens))
+            usage = self.usage(len(plan.prompt.token_ids), sum(c.num_tokens for c in choices), cached_tokens)
             yield ChatCompletionChunk(id=plan.request_id, created=plan.created, model=plan.model, choices=[],
                                       usage=usage)
-
-    async def reply(self, plan: ChatPlan) -> ChatCompletionResponse:
-        """The non-streaming reply: the stream, folded."""
-        return await fold_chat(self.chunks(plan, include_usage=True))
 
     @staticmethod
     def _chunk(plan: ChatPlan, choice: ChatCompletionStreamChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=plan.request_id, created=plan.created, model=plan.model, choices=[choice])
 
-    def _decode(self, token_id: int) -> str:
-        tokenizer = self.engine.tokenizer
-        return "" if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=False)
+    def _decode_one(self, token_id: int) -> str:
+        return self.decode([token_id])
 
 
 @dataclass
@@ -198,3 +186,4 @@ def _fold_choice(into: _Folded, chunk: ChatCompletionStreamChoice) -> None:
         into.logprobs.extend(chunk.logprobs.content or [])
     into.finish_reason = chunk.finish_reason or into.finish_reason
     into.stop_reason = chunk.stop_reason if chunk.stop_reason is not None else into.stop_reason
+

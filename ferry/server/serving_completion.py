@@ -19,21 +19,16 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from functools import cached_property
 
-from ferry.engine.async_engine import AsyncEngine
 from ferry.metrics.latency import RequestClock
 from ferry.outputs import CompletionOutput, RequestOutput
 from ferry.sampling_params import SamplingParams
-from ferry.server.config import ServerConfig
 from ferry.server.errors import bad_request
 from ferry.server.logprobs import completion_logprobs
-from ferry.server.metrics import ServerMetrics
 from ferry.server.preprocess import (
     EnginePrompt, check_context, check_fan_out, check_model, completion_prompts, sampling_params,
 )
-from ferry.server.protocol import (
-    CompletionChoice, CompletionRequest, CompletionResponse, PromptTokensDetails, TextDelta, UsageInfo,
-    stream_head,
-)
+from ferry.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, TextDelta, stream_head
+from ferry.server.serving import Serving
 
 
 @dataclass(frozen=True)
@@ -61,11 +56,10 @@ class CompletionPlan:
         return stream_head(self.request_id, self.created, self.model)
 
 
-class CompletionServing:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, metrics: ServerMetrics) -> None:
-        self.engine = engine
-        self.config = config
-        self.metrics = metrics
+class CompletionServing(Serving[CompletionPlan, CompletionResponse]):
+    @staticmethod
+    async def fold(chunks: AsyncIterator) -> CompletionResponse:
+        return await fold_completion(chunks)
 
     def plan(self, request: CompletionRequest, arrival_time: float) -> CompletionPlan:
         """Check the request against the model and the server's limits; raises ApiError."""
@@ -104,7 +98,7 @@ class CompletionServing:
                     self.metrics.observe(clocks[prompt_index].update(output, time.monotonic()))
                     cached_tokens[prompt_index] = output.num_cached_tokens
                     for completion in output.outputs:
-                        choice = choices[prompt_index * n + completion.index].update(output, completion, self._decode)
+                        choice = choices[prompt_index * n + completion.index].update(output, completion, self.decode)
                         if isinstance(choice, TextDelta):
                             yield choice
                         elif choice is not None:
@@ -113,21 +107,10 @@ class CompletionServing:
         finally:
             self.metrics.finished([c.finish_reason or "abort" for c in choices])
         if include_usage:
-            prompt_tokens = sum(len(p.token_ids) for p in plan.prompts)
-            completion_tokens = sum(c.num_tokens for c in choices)
-            usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                              total_tokens=prompt_tokens + completion_tokens,
-                              prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(cached_tokens)))
+            usage = self.usage(sum(len(p.token_ids) for p in plan.prompts), sum(c.num_tokens for c in choices),
+                               sum(cached_tokens))
             yield CompletionResponse(id=plan.request_id, created=plan.created, model=plan.model, choices=[],
                                      usage=usage)
-
-    async def reply(self, plan: CompletionPlan) -> CompletionResponse:
-        """The non-streaming reply: the stream, folded."""
-        return await fold_completion(self.chunks(plan, include_usage=True))
-
-    def _decode(self, token_ids: list[int]) -> str:
-        tokenizer = self.engine.tokenizer
-        return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
 @dataclass
@@ -249,3 +232,4 @@ def _fold_choice(into: CompletionChoice, chunk: CompletionChoice) -> None:
         into.logprobs.token_logprobs += chunk.logprobs.token_logprobs
         into.logprobs.top_logprobs += chunk.logprobs.top_logprobs
         into.logprobs.text_offset += chunk.logprobs.text_offset
+
