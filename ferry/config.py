@@ -93,6 +93,8 @@ class ModelConfig:
             value = hf_config.get(name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{config_file}: {name} must be a positive integer, got {value!r}")
+        if tokenizer is not None and not (Path(tokenizer) / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"tokenizer: no tokenizer.json in {tokenizer}")
         limit = hf_config.get("max_position_embeddings", 2048)
         if max_model_len is None:
             max_model_len = limit

@@ -121,6 +121,11 @@ def test_a_vllm_launch_line_starts_ferry_serve(tmp_path):
     assert "tool calling is not built yet" in (tmp_path / "server.log").read_text()
 
 
+def test_a_tokenizer_folder_without_a_tokenizer_is_an_error(capsys, tmp_path):
+    code, out = run_cli(capsys, "serve", "--tokenizer", str(tmp_path))
+    assert code == 2 and "--tokenizer" in out and "no tokenizer.json" in out
+
+
 def test_the_model_given_twice_must_agree(capsys, tmp_path):
     code, out = run_cli(capsys, "serve", str(tmp_path / "a"), "--model", str(tmp_path / "b"))
     assert code == 2 and "the model is given twice" in out

@@ -89,7 +89,10 @@ def chat_template_source(value: str | None) -> str | None:
         return None
     path = Path(value)
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {value}: cannot read it ({e})") from None
     if "{" not in value:
         raise ValueError(f"--chat-template {value}: no such file, and not a template either")
     return value
@@ -112,6 +115,8 @@ def serve(args: argparse.Namespace) -> int:
     model = Path(model_path(args))
     if not (model / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in model folder {model}")
+    if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():
+        raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no tokenizer.json in that folder")
     chat_template = chat_template_source(args.chat_template)
     if args.enable_auto_tool_choice or args.tool_call_parser:
         logging.getLogger("ferry.server").warning(
