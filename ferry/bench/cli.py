@@ -25,14 +25,20 @@ class BenchCommand:
     module: str  # has main_from_args(args: argparse.Namespace) -> int
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
+def add_target_args(parser: argparse.ArgumentParser, timeout_s: float, url_help: str = "the server's root URL"):
+    """The server a load benchmark talks to (serve, soak); returns the group for more options."""
     target = parser.add_argument_group("server")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000", help=url_help)
     target.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
     target.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
     target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                         help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
-    target.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take in all")
+    target.add_argument("--timeout", type=float, default=timeout_s, help="seconds one request may take in all")
+    return target
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    target = add_target_args(parser, 600.0)
     target.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                         help="ask for exactly max_tokens tokens (vLLM's ignore_eos)")
     target.add_argument("--extra-body", default=None, help="JSON object merged into every request, e.g. "
@@ -78,13 +84,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_soak_args(parser: argparse.ArgumentParser) -> None:
-    target = parser.add_argument_group("server")
-    target.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL (loopback only)")
-    target.add_argument("--endpoint", default="/v1/completions", help="/v1/completions or /v1/chat/completions")
-    target.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
-    target.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
-                        help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
-    target.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take in all")
+    target = add_target_args(parser, 300.0, "the server's root URL (loopback only)")
     target.add_argument("--server-pid", type=int, default=None,
                         help="sample the RSS of this process and its descendants (the `ferry serve` process)")
 

@@ -26,7 +26,7 @@ import logging
 import multiprocessing
 import socket
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -73,9 +73,10 @@ class RestartPolicy:
     backoff_s: float = 1.0
     max_backoff_s: float = 30.0
 
-    def waits(self) -> list[float]:
-        """The wait before each attempt."""
-        return [0.0] + [min(self.backoff_s * 2**i, self.max_backoff_s) for i in range(self.max_attempts - 1)]
+    def waits(self) -> Iterator[float]:
+        """The wait before each attempt (lazily: --engine-restarts may be huge)."""
+        for attempt in range(self.max_attempts):
+            yield 0.0 if attempt == 0 else min(self.backoff_s * 2 ** min(attempt - 1, 64), self.max_backoff_s)
 
 
 @dataclass

@@ -222,9 +222,10 @@ class LLMEngine:
             request = self.scheduler.requests.get(child_id)
             if request is not None:
                 request.num_in_flight = 0
-        self.scheduler.finish_requests(sorted(child_ids), FinishReason.ERROR)
+        failed = sorted(child_ids)
+        self.scheduler.finish_requests(failed, FinishReason.ERROR)
         if self.tracer is not None:
-            self.tracer.finished(sorted(child_ids), str(FinishReason.ERROR), time.monotonic())
+            self.tracer.finished(failed, str(FinishReason.ERROR), time.monotonic())
         return outputs
 
     def _can_overlap(self) -> bool:
