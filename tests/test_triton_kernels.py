@@ -25,7 +25,7 @@ if INTERPRET:
 
     patch_interpreter()
 
-from ferry.attention.kernels.decode_attention import decode_attention  # noqa: E402
+from ferry.attention.kernels.decode_attention import DecodeConfig, choose_num_splits, decode_attention  # noqa: E402
 from ferry.attention.kernels.prefill_attention import PrefillConfig, prefill_attention  # noqa: E402
 from ferry.attention.kernels.store_kv import store_kv  # noqa: E402
 from ferry.attention.selector import get_attention_backend  # noqa: E402
@@ -126,6 +126,48 @@ def test_decode_split_k_matches_one_split(num_splits, dtype):
     torch.testing.assert_close(outputs[1].float(), outputs[0].float(), atol=tol, rtol=tol)
 
 
+# Several query tokens per request (a speculative verify): contexts given by their shared length,
+# seq_len - query_len + 1, the keys every query token sees. With 16-key tiles: 1, a context of just
+# the query tokens; 4, barely longer; 64, shared keys ending on a tile boundary (the first token
+# sees nothing in the masked tile); 62, masked keys across two tiles; 70, whose last split under 3
+# splits starts past the last whole tile of shared keys; 200, many tiles and splits.
+SHARED_LENS = [1, 4, 64, 62, 70, 200]
+
+
+def multi_token_decode(
+    query_len, group, block_size, head_dim, dtype, num_splits, config=DecodeConfig(), shared_lens=SHARED_LENS, q_scale=1.0
+):
+    """(decode_attention's output, the reference) for query_len tokens of each of shared_lens."""
+    step = Step([(n - 1, query_len) for n in shared_lens], group, block_size, head_dim, dtype, q_scale=q_scale)
+    expected, _ = step.run(TorchReferenceBackend())
+    store_kv(step.k, step.v, step.kv_cache, step.metadata.slot_mapping)
+    m = step.metadata
+    out = torch.full_like(step.q, float("nan"))  # a row left unwritten shows
+    decode_attention(step.q, step.kv_cache, m.block_tables, m.seq_lens, step.scale, out, num_splits, config, query_len=query_len)
+    return out, expected
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 32])  # 32: more splits than tiles, many of them empty
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("query_len", [1, 2, 5])
+def test_multi_token_decode_matches_reference(query_len, group, num_splits):
+    out, expected = multi_token_decode(query_len, group, 16, 64, torch.float32, num_splits, DecodeConfig(block_n=16))
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "query_len,group,block_size,head_dim,dtype",
+    [(5, 8, 16, 64, torch.float32), (5, 2, 16, 80, torch.float32), (3, 4, 32, 128, torch.bfloat16)],
+    ids=str,
+)
+def test_multi_token_decode_default_tiles(query_len, group, block_size, head_dim, dtype):
+    """The launch configuration the backend uses (64-key tiles), GQA 8 (a 64-row tile), a head dim
+    that is not a power of two, and bf16."""
+    out, expected = multi_token_decode(query_len, group, block_size, head_dim, dtype, num_splits=3)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("block_size,head_dim", PAGE_SHAPES)
 @pytest.mark.parametrize("group", [1, 4, 8])
@@ -202,6 +244,18 @@ PEAKY = 3.0
 def test_long_decode_matches_reference(group, block_size):
     chunks = [(n - 1, 1) for n in LONG_CONTEXTS]
     assert_matches_reference(Step(chunks, group, block_size, 128, torch.bfloat16, q_scale=PEAKY))
+
+
+@gpu_only
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_long_multi_token_decode_matches_reference(group):
+    query_len = 5
+    num_splits = choose_num_splits(len(LONG_CONTEXTS), NUM_KV_HEADS, max(LONG_CONTEXTS) + query_len, torch.device(DEVICE))
+    out, expected = multi_token_decode(
+        query_len, group, 16, 128, torch.bfloat16, num_splits, shared_lens=LONG_CONTEXTS, q_scale=PEAKY
+    )
+    tol = TOLERANCE[torch.bfloat16]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
 
 
 @gpu_only

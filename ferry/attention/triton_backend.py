@@ -1,7 +1,9 @@
 """The Triton attention backend: store K/V, then one attention kernel for the whole batch.
 
-A step whose requests all bring one token (max_query_len == 1) runs the decode kernel, which splits
-long contexts across the GPU. Any other step, mixed batches included, runs the varlen kernel once
+A step whose requests all bring one token (max_query_len == 1), or all the same few tokens (a decode
+and the proposals it verifies, up to MAX_DECODE_QUERY_LEN), runs the decode kernel, which splits
+long contexts across the GPU and reads each request's K/V once for all its query tokens. Any other
+step, mixed batches included, runs the varlen kernel once
 over every request: its decode rows are just requests with query_len 1 (one tile each, the GROUP
 query heads of a KV head filling that tile's rows). Splitting a mixed batch into a decode launch
 and a prefill launch would need per-step index tensors built and copied to the device, and would
@@ -12,7 +14,7 @@ No host-device synchronization: the launch sizes come from the metadata's host-s
 
 Under a CUDA graph every launch is frozen at capture while the contexts grow at each replay, so a
 captured backend fixes the decode split count (`decode_num_splits`) and reads from the metadata's
-host values only what the graph fixes: the number of requests, and that each brings one token.
+host values only what the graph fixes: the number of requests, and that each brings q tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ from ferry.attention.backend import AttentionBackend, AttentionMetadata
 from ferry.attention.kernels.decode_attention import choose_num_splits, decode_attention
 from ferry.attention.kernels.prefill_attention import prefill_attention
 from ferry.attention.kernels.store_kv import store_kv
+
+# The most query tokens a request may bring for a step to run the decode kernel: its query tile
+# holds all of them times the query heads of one KV head (8 x 8 = 64 rows at most).
+MAX_DECODE_QUERY_LEN = 8
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -55,13 +61,15 @@ class TritonAttentionBackend(AttentionBackend):
         out[num_real:].zero_()
         if num_real == 0:
             return out
-        if metadata.max_query_len == 1:
-            # Every request brings exactly one token, so request i owns row i.
+        query_len = metadata.max_query_len
+        if query_len <= MAX_DECODE_QUERY_LEN and num_real == metadata.num_reqs * query_len:
+            # Every request brings query_len tokens, so request i owns rows i*query_len onwards.
             num_splits = self.decode_num_splits or choose_num_splits(
                 metadata.num_reqs, kv_cache.shape[3], metadata.max_seq_len, q.device
             )
             decode_attention(
-                q[:num_real], kv_cache, metadata.block_tables, metadata.seq_lens, scale, out[:num_real], num_splits
+                q[:num_real], kv_cache, metadata.block_tables, metadata.seq_lens, scale, out[:num_real], num_splits,
+                query_len=query_len,
             )
         else:
             prefill_attention(

@@ -9,8 +9,10 @@ Correctness covers GQA ratios 1/4/8, block sizes 16 and 32, contexts from 1 to 3
 batches (prefill chunks after long cached prefixes beside decode rows), in bf16. Decode is timed on
 the attention shapes of Qwen3-0.6B and Llama-3.1-8B (benchmarks/*/config.json): decode must read
 every cached K and V once, so its figure is the achieved bandwidth of that read against the
-device-to-device copy bandwidth measured in the same run. Prefill of one 8192-token prompt is timed
-in TFLOP/s, next to torch's fused SDPA on the same (unpaged) data and a bf16 matmul.
+device-to-device copy bandwidth measured in the same run. A speculative verify (5 query tokens per
+request through the same decode kernel) is timed against a 1-token decode on Llama-3.1-8B at batch 1,
+and checked against the torch reference. Prefill of one 8192-token prompt is timed in TFLOP/s, next
+to torch's fused SDPA on the same (unpaged) data and a bf16 matmul.
 """
 
 from __future__ import annotations
@@ -119,20 +121,24 @@ def matmul_tflops(device) -> float:
     return 2 * 8192**3 / (ms * 1e-3) / 1e12
 
 
-def time_decode(model: ModelConfig, batch: int, context: int, block_size: int, device, config=None) -> tuple[float, float]:
-    """(ms, GB/s of K/V read) of one layer's decode attention, split-K chosen as the backend does."""
+def time_decode(
+    model: ModelConfig, batch: int, context: int, block_size: int, device, config=None, query_len: int = 1
+) -> tuple[float, float]:
+    """(ms, GB/s of K/V read) of one layer's decode attention of query_len tokens per request (the
+    last query_len of its context), split-K chosen as the backend does."""
     from triton.testing import do_bench
 
     from ferry.attention.kernels.decode_attention import DecodeConfig, choose_num_splits, decode_attention
 
     q, _, _, cache, md = make_step(
-        [(context - 1, 1)] * batch, model.num_heads, model.num_kv_heads, model.head_dim, block_size,
-        torch.bfloat16, device,
+        [(context - query_len, query_len)] * batch, model.num_heads, model.num_kv_heads, model.head_dim,
+        block_size, torch.bfloat16, device,
     )
     out = torch.empty_like(q)
     splits = choose_num_splits(batch, model.num_kv_heads, context, q.device)
     run = lambda: decode_attention(  # noqa: E731
-        q, cache, md.block_tables, md.seq_lens, model.head_dim**-0.5, out, splits, config or DecodeConfig()
+        q, cache, md.block_tables, md.seq_lens, model.head_dim**-0.5, out, splits, config or DecodeConfig(),
+        query_len=query_len,
     )
     ms = do_bench(run)
     kv_bytes = 2 * batch * context * model.num_kv_heads * model.head_dim * cache.element_size()
@@ -194,6 +200,44 @@ def decode_table(models, device, copy_gbs) -> list[str]:
             label = f"{name} bs {batch} ctx {context}"
             lines.append(f"{label:34s} {splits:6d} {ms:8.4f} {gbs:8.0f} {gbs / copy_gbs:8.0%}")
     return lines
+
+
+VERIFY_TOKENS = 5  # a speculative verify: the request's last token and 4 draft proposals
+VERIFY_CONTEXTS = [512, 4096, 32768]
+
+
+def check_verify(model: ModelConfig, context: int, device) -> tuple[float, bool]:
+    """(max error, within tolerance) of decode_attention's VERIFY_TOKENS query tokens of one request
+    against the torch reference backend, which also stores their K/V in the cache first."""
+    from ferry.attention.kernels.decode_attention import choose_num_splits, decode_attention
+    from ferry.attention.torch_ref import TorchReferenceBackend
+
+    q, k, v, cache, md = make_step(
+        [(context - VERIFY_TOKENS, VERIFY_TOKENS)], model.num_heads, model.num_kv_heads, model.head_dim, 16,
+        torch.bfloat16, device, q_scale=PEAKY,
+    )
+    scale = model.head_dim**-0.5
+    expected = TorchReferenceBackend().forward(q, k, v, cache, md, scale).float()
+    out = torch.empty_like(q)
+    splits = choose_num_splits(1, model.num_kv_heads, context, q.device)
+    decode_attention(q, cache, md.block_tables, md.seq_lens, scale, out, splits, query_len=VERIFY_TOKENS)
+    max_err = (out.float() - expected).abs().max().item()
+    return max_err, torch.allclose(out.float(), expected, atol=BF16_TOL, rtol=BF16_TOL)
+
+
+def verify_table(model: ModelConfig, device) -> tuple[list[str], int]:
+    """A VERIFY_TOKENS-token verify against a 1-token decode at batch 1: both read the request's K/V
+    once, so the ratio should stay near 1. Returns the lines and how many correctness checks failed."""
+    lines = [f"{'verify vs decode (llama, bs 1)':34s} {'1 tok ms':>8s} {f'{VERIFY_TOKENS} tok ms':>8s} {'ratio':>6s} {'max err':>9s}"]
+    failed = 0
+    for context in VERIFY_CONTEXTS:
+        ms_one, _ = time_decode(model, 1, context, 16, device)
+        ms_verify, _ = time_decode(model, 1, context, 16, device, query_len=VERIFY_TOKENS)
+        max_err, ok = check_verify(model, context, device)
+        failed += not ok
+        lines.append(f"{f'ctx {context}':34s} {ms_one:8.4f} {ms_verify:8.4f} {ms_verify / ms_one:6.2f} "
+                     f"{max_err:9.2e} {'PASS' if ok else 'FAIL'}")
+    return lines, failed
 
 
 def sweep(models, device) -> list[str]:
@@ -267,15 +311,20 @@ def compile_report() -> list[str]:
 
     lines = []
     decode_cfg, prefill_cfg = decode.DecodeConfig(), prefill.PrefillConfig()
+    decode_args = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
+                   "out_ptr": "*bf16", "lse_ptr": "*fp32", "scale_log2": "fp32", "num_splits": "i32",
+                   **strides("stride_q_tok", "stride_q_head", "stride_cache_kv", "stride_cache_block",
+                             "stride_cache_tok", "stride_cache_head", "stride_table_req", "stride_out_tok",
+                             "stride_out_head", "stride_out_split", "stride_lse_tok", "stride_lse_head")}
+
+    def decode_consts(query_len, group, page):
+        block_h = max(16, triton.next_power_of_2(query_len * group))
+        return dict(QUERY_LEN=query_len, GROUP=group, BLOCK_H=block_h, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=page,
+                    BLOCK_N=decode_cfg.block_n, DOT_PRECISION="tf32", PDL=True)
+
     for group, page in ((2, 16), (4, 16), (8, 32)):
-        args = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-                "out_ptr": "*bf16", "lse_ptr": "*fp32", "scale_log2": "fp32", "num_splits": "i32",
-                **strides("stride_q_req", "stride_q_head", "stride_cache_kv", "stride_cache_block",
-                          "stride_cache_tok", "stride_cache_head", "stride_table_req", "stride_out_req",
-                          "stride_out_head", "stride_out_split", "stride_lse_req", "stride_lse_head")}
-        consts = dict(GROUP=group, BLOCK_H=16, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=page,
-                      BLOCK_N=decode_cfg.block_n, DOT_PRECISION="tf32", PDL=True)
-        lines.append(f"{f'decode gqa {group} block {page}':26s}" + build(decode._decode_split_kernel, args, consts, decode_cfg.num_warps, decode_cfg.num_stages))
+        consts = decode_consts(1, group, page)
+        lines.append(f"{f'decode gqa {group} block {page}':26s}" + build(decode._decode_split_kernel, decode_args, consts, decode_cfg.num_warps, decode_cfg.num_stages))
         args = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "scale_log2": "fp32", "num_reqs": "i32",
                 **strides("stride_q_tok", "stride_q_head", "stride_cache_kv", "stride_cache_block", "stride_cache_tok",
@@ -283,10 +332,12 @@ def compile_report() -> list[str]:
         consts = dict(GROUP=group, BLOCK_M=prefill_cfg.block_m, BLOCK_Q=prefill_cfg.block_m // group, HEAD_DIM=128,
                       BLOCK_D=128, PAGE_SIZE=page, BLOCK_N=prefill_cfg.block_n, DOT_PRECISION="tf32")
         lines.append(f"{f'prefill gqa {group} block {page}':26s}" + build(prefill._prefill_kernel, args, consts, prefill_cfg.num_warps, prefill_cfg.num_stages))
+    consts = decode_consts(VERIFY_TOKENS, 4, 16)  # Llama-3.1-8B's verify: 5 tokens x 4 heads in 32 rows
+    lines.append(f"{f'verify {VERIFY_TOKENS} gqa 4 block 16':26s}" + build(decode._decode_split_kernel, decode_args, consts, decode_cfg.num_warps, decode_cfg.num_stages))
     args = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "num_splits": "i32",
-            **strides("stride_part_req", "stride_part_head", "stride_part_split", "stride_lse_req",
-                      "stride_lse_head", "stride_out_req", "stride_out_head")}
-    consts = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, BLOCK_N=decode_cfg.block_n, PDL=True)
+            **strides("stride_part_tok", "stride_part_head", "stride_part_split", "stride_lse_tok",
+                      "stride_lse_head", "stride_out_tok", "stride_out_head")}
+    consts = dict(QUERY_LEN=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, BLOCK_N=decode_cfg.block_n, PDL=True)
     lines.append(f"{'merge 64 splits':26s}" + build(decode._decode_merge_kernel, args, consts, 4, 1))
     args = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64", "num_tokens": "i32",
             **strides("stride_k_tok", "stride_v_tok", "stride_cache_kv")}
@@ -329,6 +380,8 @@ def main() -> None:
     peak = matmul_tflops(device)
     lines = decode_table(models, device, copy_gbs)
     llama = models["llama-3.1-8b"]
+    verify_lines, verify_failed = verify_table(llama, device)
+    lines += verify_lines
     ms, tflops = time_prefill(llama, 8192, 16, device)
     sdpa = time_sdpa(llama, 8192, device)
     lines.append(f"prefill llama 8192 tokens (one layer): {ms:.3f} ms, {tflops:.0f} TFLOP/s "
@@ -337,8 +390,9 @@ def main() -> None:
         lines += sweep(models, device)
     print(f"\ncopy bandwidth {copy_gbs:.0f} GB/s (read + written), bf16 matmul {peak:.0f} TFLOP/s")
     print("\n".join(lines))
-    failed = sum(not ok for *_, ok in rows)
-    print(f"\ncorrectness: {len(rows) - failed}/{len(rows)} PASS")
+    failed = sum(not ok for *_, ok in rows) + verify_failed
+    checks = len(rows) + len(VERIFY_CONTEXTS)
+    print(f"\ncorrectness: {checks - failed}/{checks} PASS")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Triton kernels for the paged KV cache: one kernel (and its launcher) per file.
 
     store_kv.py           write this step's K/V at their slots (reshape_and_cache)
-    decode_attention.py   one query token per request; grouped-query aware; split over the context
+    decode_attention.py   the same few query tokens per request (one to decode, or one and the
+                          proposals it verifies); grouped-query aware; split over the context
     prefill_attention.py  varlen causal attention of query chunks over a cached prefix
     paged_tiles.py        the pieces both attention kernels share: reading a K/V tile through a
                           block table, and one step of the online softmax

@@ -1,4 +1,5 @@
-"""Paged decode attention: one query token per request, attending to its whole cached context.
+"""Paged decode attention: a fixed number of query tokens per request (one for decode, a few for a
+speculative verify step), attending to the whole cached context.
 
 Decode is memory-bound: every step reads each request's K and V once, and does 2 FLOPs per
 element per query head. Two things keep it at the memory's speed.
@@ -22,6 +23,27 @@ each a program that writes a partial result; a second kernel merges them:
     stage 2:   o = sum_s 2**(lse_s - lse_max) * o_s / sum_s 2**(lse_s - lse_max)
 
 With one split, stage 1 writes the final output directly and stage 2 is skipped.
+
+Several query tokens (query_len Q > 1, a speculative verify). Each request brings its last Q
+tokens, whose K/V are already cached: token j sits at position prefix + j, prefix = seq_len - Q,
+and sees keys 0 .. prefix + j. A program's tile holds all Q tokens of the GROUP heads, token-major,
+so each K/V tile read serves all of them and a 5-token verify reads the same bytes as a decode:
+
+    Q = 2, GROUP = 4:   row   0 1 2 3 | 4 5 6 7 | 8 ... 15
+                        token 0 0 0 0 | 1 1 1 1 | padding        row r: token r // GROUP,
+                        head  g*G + 0 1 2 3 | 0 1 2 3 |          head kv_head * GROUP + r % GROUP
+
+The first shared_len = prefix + 1 keys are seen by every token and need no causal mask; only the
+Q - 1 keys after them, in the context's last tile or two, are masked per row (key <= row's
+position). Splits cut the shared keys, and the split that ends them also takes those Q - 1 keys:
+
+    keys:      [ split 0      | split 1      | split 2   ][Q-1 ]   split_len from shared_len
+                                                 ^ last split: up to seq_len, its last tiles masked
+
+So every non-empty split starts at a key that every row sees: no row of a split is empty, every
+partial lse is finite, and all Q tokens of a request merge the same splits. At Q = 1,
+shared_len = seq_len and this is the one-token formula; the extra code is behind constexpr
+branches, so a one-token launch compiles as before.
 """
 
 from __future__ import annotations
@@ -67,11 +89,22 @@ class DecodeConfig:
 
 
 @triton.jit
-def _split_len(seq_len, num_splits, BLOCK_N: tl.constexpr):
-    """Tokens per split of a context of seq_len tokens: ceil(seq_len / num_splits) rounded up to a
-    whole number of tiles. Split s covers [s * len, min((s + 1) * len, seq_len)); trailing splits
-    of a short context may be empty. Both stages must agree on this formula."""
-    return tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+def _split_len(shared_len, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split: ceil(shared_len / num_splits) rounded up to a whole number of tiles, where
+    shared_len = seq_len - query_len + 1 counts the keys that every query token sees. Split s covers
+    [s * len, min((s + 1) * len, shared_len)), the split that reaches shared_len up to seq_len;
+    trailing splits of a short context may be empty. Both stages must agree on this formula."""
+    return tl.cdiv(tl.cdiv(shared_len, num_splits), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _row_ptrs(request_ptr, tok, heads, stride_tok, stride_head, QUERY_LEN: tl.constexpr):
+    """(BLOCK_H,) pointers to each tile row's (query token, head) in a (num_tokens, num_heads, ...)
+    tensor, from request_ptr, its request's first token."""
+    ptrs = request_ptr + heads * stride_head
+    if QUERY_LEN > 1:
+        ptrs += tok * stride_tok
+    return ptrs
 
 
 @triton.jit(do_not_specialize=["num_splits", "stride_table_req"])
@@ -79,12 +112,12 @@ def _decode_split_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
     scale_log2,  # softmax scale * log2(e)
     num_splits,  # a runtime value: it follows the longest context, and each constexpr value compiles anew
-    stride_q_req, stride_q_head,
+    stride_q_tok, stride_q_head,
     stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_table_req,
-    stride_out_req, stride_out_head, stride_out_split,
-    stride_lse_req, stride_lse_head,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+    stride_out_tok, stride_out_head, stride_out_split,
+    stride_lse_tok, stride_lse_head,
+    QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
@@ -96,27 +129,36 @@ def _decode_split_kernel(
     split = tl.program_id(2)
 
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len = _split_len(seq_len, num_splits, BLOCK_N)
+    shared_len = seq_len - (QUERY_LEN - 1)  # keys 0 .. prefix, seen by every query token
+    split_len = _split_len(shared_len, num_splits, BLOCK_N)
     start = split * split_len
-    if start >= seq_len:  # an empty trailing split: stage 2 skips it by the same formula
+    if start >= shared_len:  # an empty trailing split: stage 2 skips it by the same formula
         return
-    end = tl.minimum(start + split_len, seq_len)
+    end = tl.minimum(start + split_len, shared_len)
+    if QUERY_LEN > 1:
+        end = tl.where(end == shared_len, seq_len, end)  # the last split also takes the masked keys
 
+    # Row r holds query token r // GROUP of this request and query head kv_head * GROUP + r % GROUP.
     rows = tl.arange(0, BLOCK_H)
-    row_mask = rows < GROUP
-    heads = kv_head * GROUP + rows  # (BLOCK_H,) query heads of this KV head
+    tok = rows // GROUP  # (BLOCK_H,), used only when QUERY_LEN > 1 (at 1 every real row is token 0)
+    row_mask = rows < QUERY_LEN * GROUP
+    heads = kv_head * GROUP + (rows % GROUP if QUERY_LEN > 1 else rows)  # (BLOCK_H,) query heads
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     q_mask = row_mask[:, None] & dim_mask[None, :]
-    q = tl.load(q_ptr + req * stride_q_req + heads[:, None] * stride_q_head + dims[None, :], mask=q_mask, other=0.0)
+    q_rows = _row_ptrs(q_ptr + req * QUERY_LEN * stride_q_tok, tok, heads, stride_q_tok, stride_q_head, QUERY_LEN)
+    q = tl.load(q_rows[:, None] + dims[None, :], mask=q_mask, other=0.0)
 
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
-    # -inf is safe: `start < seq_len`, so the first tile holds a real key and every row (padding
-    # rows too, whose q is 0) gets a finite score there.
+    # -inf is safe: `start < shared_len`, so the first tile holds a key that every row sees (padding
+    # rows too, whose q is 0), and every row gets a finite score there.
     row_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     table_row = block_tables_ptr + req * stride_table_req
-    for tile_start in range(start, end, BLOCK_N):
+    # Keys [start, unmasked_end): no causal mask. At QUERY_LEN 1 that is the whole split, whose
+    # last tile may run past the context (`in_bounds`); above 1, whole tiles of shared keys only.
+    unmasked_end = end if QUERY_LEN == 1 else tl.minimum(end, shared_len // BLOCK_N * BLOCK_N)
+    for tile_start in range(start, unmasked_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         in_bounds = pos < end
         k, v = load_kv_tile(
@@ -126,62 +168,82 @@ def _decode_split_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_H, BLOCK_N)
         scores = tl.where(in_bounds[None, :], scores, float("-inf"))
         acc, row_sum, row_max = online_softmax_step(acc, row_sum, row_max, scores, v, DOT_PRECISION)
+    if QUERY_LEN > 1:
+        # Keys [unmasked_end, end), non-empty in the last split only: each row sees keys <= its position.
+        row_pos = shared_len - 1 + tok  # (BLOCK_H,)
+        for tile_start in range(tl.maximum(start, unmasked_end), end, BLOCK_N):
+            pos = tile_start + tl.arange(0, BLOCK_N)
+            k, v = load_kv_tile(
+                cache_ptr, table_row, pos, pos < end, kv_head, dims, dim_mask,
+                stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, PAGE_SIZE,
+            )
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            visible = pos[None, :] <= row_pos[:, None]  # also keeps pos < seq_len for real rows
+            scores = tl.where(visible, scores, float("-inf"))
+            acc, row_sum, row_max = online_softmax_step(acc, row_sum, row_max, scores, v, DOT_PRECISION)
 
     out = acc / row_sum[:, None]
-    out_ptrs = out_ptr + req * stride_out_req + split * stride_out_split + heads[:, None] * stride_out_head + dims[None, :]
-    tl.store(out_ptrs, out, mask=q_mask)  # cast to the output's dtype on store
+    out_request = out_ptr + req * QUERY_LEN * stride_out_tok + split * stride_out_split
+    out_rows = _row_ptrs(out_request, tok, heads, stride_out_tok, stride_out_head, QUERY_LEN)
+    tl.store(out_rows[:, None] + dims[None, :], out, mask=q_mask)  # cast to the output's dtype on store
     lse = row_max + tl.log2(row_sum)
-    tl.store(lse_ptr + req * stride_lse_req + heads * stride_lse_head + split, lse, mask=row_mask)
+    lse_request = lse_ptr + req * QUERY_LEN * stride_lse_tok
+    lse_rows = _row_ptrs(lse_request, tok, heads, stride_lse_tok, stride_lse_head, QUERY_LEN)
+    tl.store(lse_rows + split, lse, mask=row_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _decode_merge_kernel(
     partial_ptr, lse_ptr, seq_lens_ptr, out_ptr, num_splits,
-    stride_part_req, stride_part_head, stride_part_split,
-    stride_lse_req, stride_lse_head,
-    stride_out_req, stride_out_head,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    stride_part_tok, stride_part_head, stride_part_split,
+    stride_lse_tok, stride_lse_head,
+    stride_out_tok, stride_out_head,
+    QUERY_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,  # BLOCK_S: num_splits rounded up to a power of two
     PDL: tl.constexpr,
 ):
     let_next_kernel_start(PDL)
     wait_for_previous_kernel(PDL)
-    req = tl.program_id(0)
+    token = tl.program_id(0)  # flat query token: request token // QUERY_LEN
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + req)
+    shared_len = tl.load(seq_lens_ptr + token // QUERY_LEN) - (QUERY_LEN - 1)
     splits = tl.arange(0, BLOCK_S)
     # Empty splits wrote nothing; their rows of the buffers are garbage and must not be read.
-    valid = (splits < num_splits) & (splits * _split_len(seq_len, num_splits, BLOCK_N) < seq_len)
-    lse = tl.load(lse_ptr + req * stride_lse_req + head * stride_lse_head + splits, mask=valid, other=float("-inf"))
+    valid = (splits < num_splits) & (splits * _split_len(shared_len, num_splits, BLOCK_N) < shared_len)
+    lse = tl.load(lse_ptr + token * stride_lse_tok + head * stride_lse_head + splits, mask=valid, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, axis=0))  # (BLOCK_S,), 0 for empty splits; split 0 is never empty
     dims = tl.arange(0, BLOCK_D)
     mask = valid[:, None] & (dims < HEAD_DIM)[None, :]
-    part_ptrs = partial_ptr + req * stride_part_req + head * stride_part_head + splits[:, None] * stride_part_split
+    part_ptrs = partial_ptr + token * stride_part_tok + head * stride_part_head + splits[:, None] * stride_part_split
     partial = tl.load(part_ptrs + dims[None, :], mask=mask, other=0.0)  # (BLOCK_S, BLOCK_D) fp32
     out = tl.sum(weight[:, None] * partial, axis=0) / tl.sum(weight, axis=0)
-    tl.store(out_ptr + req * stride_out_req + head * stride_out_head + dims, out, mask=dims < HEAD_DIM)
+    tl.store(out_ptr + token * stride_out_tok + head * stride_out_head + dims, out, mask=dims < HEAD_DIM)
 
 
 def decode_attention(
-    q: torch.Tensor,  # (num_reqs, num_heads, head_dim): one query token per request
+    q: torch.Tensor,  # (num_reqs * query_len, num_heads, head_dim): request r's tokens in rows r*Q .. r*Q+Q-1
     kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
     block_tables: torch.Tensor,  # (num_reqs, max_blocks) int32
-    seq_lens: torch.Tensor,  # (num_reqs,) int32, each >= 1, the query token included
+    seq_lens: torch.Tensor,  # (num_reqs,) int32, each >= query_len, the query tokens included
     scale: float,
-    out: torch.Tensor,  # (num_reqs, num_heads, head_dim), written
+    out: torch.Tensor,  # like q, written
     num_splits: int,
     config: DecodeConfig = DecodeConfig(),
+    query_len: int = 1,  # Q: query tokens per request, the last Q of its context (a constexpr)
 ) -> None:
-    """out[i] = softmax(q[i] k^T * scale) v over the first seq_lens[i] cached tokens of request i."""
-    num_reqs, num_heads, head_dim = q.shape
+    """out[r*Q + j] = softmax(q[r*Q + j] k^T * scale) v over the first seq_lens[r] - Q + j + 1 cached
+    tokens of request r: each of its Q tokens sees the keys up to its own position."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_reqs = num_tokens // query_len
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
+    assert num_reqs * query_len == num_tokens, "every request brings query_len tokens"
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
     if num_splits == 1:
-        partial = out[:, :, None, :]  # (num_reqs, num_heads, 1, head_dim): stage 1 writes the result
+        partial = out[:, :, None, :]  # (num_tokens, num_heads, 1, head_dim): stage 1 writes the result
     else:
-        partial = torch.empty(num_reqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(num_reqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        partial = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, partial, lse,
         scale * LOG2_E, num_splits,
@@ -190,7 +252,7 @@ def decode_attention(
         block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
-        GROUP=group, BLOCK_H=max(_MIN_DOT_ROWS, triton.next_power_of_2(group)),
+        QUERY_LEN=query_len, GROUP=group, BLOCK_H=max(_MIN_DOT_ROWS, triton.next_power_of_2(query_len * group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype),
@@ -198,12 +260,12 @@ def decode_attention(
     )
     if num_splits == 1:
         return
-    _decode_merge_kernel[(num_reqs, num_heads)](
+    _decode_merge_kernel[(num_tokens, num_heads)](
         partial, lse, seq_lens, out, num_splits,
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
+        QUERY_LEN=query_len, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=config.block_n,
         # One (BLOCK_S, head_dim) fp32 tile per program; 4 warps hold 64 splits x 128 dims at 64
         # values per thread (1 warp needed 181 registers for 33 splits).
