@@ -6,14 +6,14 @@ import argparse
 import sys
 
 from ferry import __version__
-from ferry.engine_args import CommandParser, add_engine_args, engine_kwargs, model_path, parse
+from ferry.engine_args import CommandParser, add_engine_args, engine_config, parse
 from ferry.sampling_params import RequestOutputKind, SamplingParams
 
 
 def generate(args: argparse.Namespace) -> int:
-    from ferry.engine.engine import LLMEngine, make_engine_config
+    from ferry.engine.engine import LLMEngine
 
-    engine = LLMEngine.from_config(make_engine_config(model_path(args), **engine_kwargs(args)))
+    engine = LLMEngine.from_config(engine_config(args))
     params = SamplingParams(
         temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
         seed=args.sampling_seed, stop=args.stop, output_kind=RequestOutputKind.DELTA,

@@ -2,20 +2,41 @@
 
 Everything the engine needs to know before the first request is decided here, once: which model,
 in which dtype, how the KV cache is cut into blocks, and how much work one step may do.
+
+Every option a user sets (`LLM`'s keyword arguments, the command line's flags) is a field made with
+`option`, which holds its default and its help text: the command line (engine_args.py) is generated
+from those fields, and `EngineConfig.create` is the one constructor that takes them by name. An
+option whose default depends on the device or the model is "auto" (None) in its field;
+`EngineConfig.create` decides it, once, so the config it builds holds concrete values, and that
+config is what travels to the engine process (engine/messages.py encodes it field by field).
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import Any, NamedTuple, get_args, get_origin, get_type_hints
 
 # The dtypes a model runs in, by torch's names, and their bytes per element. Configuration is plain
 # data (no torch here: the scheduler's side imports it); the executor turns a name into a torch dtype.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+
+
+def option(
+    default: Any, *, help: str, choices: Sequence[str] | None = None, name: str | None = None,
+    flag: bool = True,
+) -> Any:
+    """A field that is a user-settable engine option, with its default and help text (and choices),
+    written here once. `name`: the option's name where it is not the field's (`model` is
+    ModelConfig.path); `flag=False`: a keyword argument of `LLM` only, not on the command line."""
+    metadata = {"help": help, "choices": tuple(choices) if choices else None, "name": name, "flag": flag}
+    return field(default=default, metadata=metadata)
 
 
 # config.json fields that must be positive integers when present (a -1 would surface far away, as
@@ -28,17 +49,23 @@ _POSITIVE_FIELDS = ("max_position_embeddings", "vocab_size", "hidden_size", "num
 class ModelConfig:
     """The model's shape, read from its Hugging Face `config.json` (kept whole in `hf_config`)."""
 
-    path: Path
-    hf_config: dict[str, Any] = field(repr=False)
-    dtype: str  # a key of DTYPE_BYTES
-    max_model_len: int
-    eos_token_ids: tuple[int, ...]
-    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
-    tokenizer_path: Path | None = None  # the tokenizer's folder, when it is not the model's
+    path: Path | None = option(None, name="model", help="model folder (default: the bundled model)")  # noqa: RUF009
+    tokenizer: Path | None = option(None, help="folder of the tokenizer (default: the model's)")  # noqa: RUF009
+    # Built (from_pretrained), a key of DTYPE_BYTES and a number of tokens: "auto" and None are decided.
+    dtype: str = option("auto", choices=("auto", *DTYPE_BYTES, *_DTYPE_ALIASES),
+                        help="auto: the checkpoint's half-precision dtype on a GPU, float32 on a CPU")
+    max_model_len: int | None = option(None, help="context length (default: the model's max_position_embeddings)")
+    load_format: str = option("auto", choices=("auto", "dummy"),
+                              help="dummy: random weights from config.json alone, for benchmarks")
+    generation_config: str = option("auto", help="where EOS ids come from: auto (the model's generation_config.json), "
+                                                 "vllm (config.json only), or a folder with a generation_config.json")
+    # Read from the model's folder, not set: config.json, and the EOS ids that generation_config chose.
+    hf_config: dict[str, Any] = field(repr=False, kw_only=True)
+    eos_token_ids: tuple[int, ...] = field(kw_only=True)
 
     @property
     def tokenizer_dir(self) -> Path:
-        return self.tokenizer_path or self.path
+        return self.tokenizer or self.path
 
     @property
     def dtype_bytes(self) -> int:
@@ -79,9 +106,10 @@ class ModelConfig:
         tokenizer: str | Path | None = None,
         generation_config: str = "auto",
     ) -> ModelConfig:
-        """generation_config: where the EOS ids come from, as vLLM's option says: "auto" (the
-        model's generation_config.json, else config.json), "vllm" (config.json alone), or a folder
-        with a generation_config.json."""
+        """The model's config from its folder: dtype "auto" and max_model_len None decided (see
+        resolve_dtype; the context is the model's max_position_embeddings). generation_config: where
+        the EOS ids come from, as vLLM's option says: "auto" (the model's generation_config.json,
+        else config.json), "vllm" (config.json alone), or a folder with a generation_config.json."""
         path = Path(path)
         config_file = path / "config.json"
         if not config_file.is_file():
@@ -109,8 +137,19 @@ class ModelConfig:
             max_model_len=max_model_len,
             eos_token_ids=_read_eos_token_ids(hf_config, _generation_config_file(path, generation_config)),
             load_format=load_format,
-            tokenizer_path=Path(tokenizer) if tokenizer is not None else None,
+            tokenizer=Path(tokenizer) if tokenizer is not None else None,
+            generation_config=generation_config,
         )
+
+    def check_folder(self) -> None:
+        """Raise unless the model's folder still holds the config.json this config was read from:
+        an engine process started later (a restart) loads the weights from there, and they must be
+        the ones this config describes."""
+        config_file = self.path / "config.json"
+        if not config_file.is_file():
+            raise FileNotFoundError(f"no config.json in model folder {self.path}")
+        if json.loads(config_file.read_text()) != self.hf_config:
+            raise ValueError(f"{config_file} has changed since the engine's configuration was read from it")
 
 
 def resolve_dtype(dtype: Any, hf_config: dict[str, Any], device: str = "cpu") -> str:
@@ -151,10 +190,11 @@ def _read_eos_token_ids(hf_config: dict[str, Any], gen_file: Path | None) -> tup
 
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: sized from memory
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
+    block_size: int = option(16, help="tokens per KV cache block")
+    num_kv_blocks: int | None = option(None, help="KV cache blocks (default: sized from memory)")
+    enable_prefix_caching: bool = option(True, help="reuse the KV cache of shared prompt prefixes")
+    gpu_memory_utilization: float = option(
+        0.9, help="fraction of the GPU's memory for weights, activations and the KV cache")
     cpu_kv_cache_bytes: int = 1 << 30  # KV pool size on CPU when num_kv_blocks is not given
 
     def __post_init__(self) -> None:
@@ -168,14 +208,16 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256  # most requests running at once
-    max_num_batched_tokens: int = 8192  # the per-step token budget
-    max_model_len: int = 4096
+    max_num_seqs: int = option(256, help="most requests running at once")
+    # The per-step token budget; None (auto) only until EngineConfig.create decides it.
+    max_num_batched_tokens: int | None = option(
+        None, help="tokens per step (default: 2048 on a CPU; max(8192, min(max_model_len, 16384)) on a GPU)")
+    max_model_len: int = 4096  # the model's, copied here
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
@@ -202,23 +244,32 @@ class EngineConfig:
     model: ModelConfig
     cache: CacheConfig
     scheduler: SchedulerConfig
-    device: str = "cpu"
-    seed: int = 0
+    device: str = option("cpu", help="cpu or cuda")
+    seed: int = option(0, help="seed of the sampler's shared generator")
     # False: decode steps of up to the largest of `cuda_graph_batch_sizes` requests replay CUDA
     # graphs captured at startup (executor/cuda_graph.py); on a CPU they run the same padded batches
-    # eagerly. True: every step runs eagerly. (make_engine_config's default: graphs on CUDA only.)
-    enforce_eager: bool = True
+    # eagerly. True: every step runs eagerly. None (auto): graphs on CUDA only (see `create`).
+    enforce_eager: bool | None = option(
+        None, help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs "
+                   "(default: graphs on CUDA)")
     # None: the defaults above, up to max_num_seqs (which is added when it falls between two).
-    cuda_graph_batch_sizes: tuple[int, ...] | None = None
-    # Schedule and launch each step before waiting for the last one's tokens (engine/engine.py;
-    # make_engine_config's default: on CUDA only).
-    async_scheduling: bool = False
-    # The attention backend: "torch" (the reference) or "triton"; None: the device's default (Triton
-    # on CUDA where it imports). make_engine_config's default: $FERRY_ATTENTION_BACKEND.
-    attention_backend: str | None = None
+    cuda_graph_batch_sizes: tuple[int, ...] | None = option(
+        None, flag=False, help="decode batch sizes that get a CUDA graph (default: 1, 2, 4, then multiples of 8, "
+                               "up to max_num_seqs)")
+    # Schedule and launch each step before waiting for the last one's tokens (engine/engine.py).
+    # None (auto): on CUDA only (see `create`).
+    async_scheduling: bool | None = option(
+        None, help="schedule and launch each step before waiting for the last one's tokens, so the host's "
+                   "work overlaps the device's (default: on CUDA)")
+    # None: the device's default (Triton on CUDA where it imports). `create` reads
+    # $FERRY_ATTENTION_BACKEND into it when it is not given.
+    attention_backend: str | None = option(
+        None, flag=False, choices=ATTENTION_BACKENDS,
+        help="torch (the reference) or triton (default: $FERRY_ATTENTION_BACKEND, else the device's)")
     # Programmatic dependent launch for the decode path's Triton kernels, where the GPU has it
-    # (Hopper and newer). make_engine_config's default: on, unless FERRY_PDL=0.
-    pdl: bool = True
+    # (Hopper and newer). None (auto): on, unless FERRY_PDL=0 (see `create`).
+    pdl: bool | None = option(
+        None, flag=False, help="programmatic dependent launch on Hopper and newer (default: on, unless FERRY_PDL=0)")
 
     def __post_init__(self) -> None:
         sizes = self.cuda_graph_batch_sizes
@@ -227,6 +278,43 @@ class EngineConfig:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} (or unset), "
                              f"got {self.attention_backend!r}")
+
+    @classmethod
+    def create(cls, model: str | Path, **options: Any) -> EngineConfig:
+        """The engine's configuration for the model in this folder, from `LLM`'s keyword arguments
+        (the fields made with `option`, by name; an unknown name is a TypeError). This is the one
+        place where an option left "auto" gets its value, so the config holds concrete values:
+
+        - dtype "auto", max_model_len None: ModelConfig.from_pretrained, from config.json and the device;
+        - max_num_batched_tokens None: 2048 on a CPU; on a GPU the context, clamped to [8192, 16384];
+        - enforce_eager None: decode steps replay CUDA graphs on a CUDA device, and run eagerly
+          elsewhere (padding buys nothing there);
+        - async_scheduling None: on a CUDA device, where the host's work can hide behind the
+          device's; on a CPU the two are the same cores, and overlapping them gains nothing;
+        - attention_backend, pdl None: the environment's (environment_defaults), read here once.
+        """
+        values = _option_values(options)
+        device = values["device"]
+        on_cuda = str(device).split(":")[0] == "cuda"
+        model_config = ModelConfig.from_pretrained(model, device=device, **_fields_of(ModelConfig, values))
+        if values["max_num_batched_tokens"] is None:
+            values["max_num_batched_tokens"] = (
+                max(8192, min(model_config.max_model_len, 16384)) if device != "cpu" else 2048)
+        if values["enforce_eager"] is None:
+            values["enforce_eager"] = not on_cuda
+        if values["async_scheduling"] is None:
+            values["async_scheduling"] = on_cuda
+        for name, value in environment_defaults().items():
+            if values[name] is None:
+                values[name] = value
+        if values["cuda_graph_batch_sizes"] is not None:
+            values["cuda_graph_batch_sizes"] = tuple(values["cuda_graph_batch_sizes"])
+        return cls(
+            model=model_config,
+            cache=CacheConfig(**_fields_of(CacheConfig, values)),
+            scheduler=SchedulerConfig(**_fields_of(SchedulerConfig, values), max_model_len=model_config.max_model_len),
+            **_fields_of(EngineConfig, values),
+        )
 
     @property
     def decode_graph_sizes(self) -> tuple[int, ...]:
@@ -238,3 +326,75 @@ class EngineConfig:
         if limit <= _DEFAULT_GRAPH_SIZES[-1] and sizes[-1] != limit:
             sizes.append(limit)
         return tuple(sizes)
+
+
+# ---- the options, as the command line and `create` see them ----
+
+
+class EngineOption(NamedTuple):
+    """One user-settable option: the field `field` of `owner` (EngineConfig or one of its parts)."""
+
+    name: str  # LLM's keyword argument; on the command line --name-with-dashes
+    owner: type
+    field: Field
+    type: type  # the field's type less None: bool, int, float, str, Path or tuple
+
+    @property
+    def default(self) -> Any:
+        return self.field.default
+
+    @property
+    def help(self) -> str:
+        return self.field.metadata["help"]
+
+    @property
+    def choices(self) -> tuple[str, ...] | None:
+        return self.field.metadata["choices"]
+
+    @property
+    def flag(self) -> bool:
+        """On the command line (otherwise a keyword argument of `LLM` alone)."""
+        return self.field.metadata["flag"]
+
+
+def field_types(cls: type) -> dict[str, type]:
+    """The type of each of a config class's fields, less None (`int | None` -> int) and less its
+    parameters (`tuple[int, ...]` -> tuple)."""
+    types = {}
+    for name, hint in get_type_hints(cls).items():
+        if get_origin(hint) is UnionType:
+            (hint,) = [arg for arg in get_args(hint) if arg is not type(None)]
+        types[name] = get_origin(hint) or hint
+    return types
+
+
+def _collect_options(*classes: type) -> dict[str, EngineOption]:
+    options = {}
+    for cls in classes:
+        types = field_types(cls)
+        for f in fields(cls):
+            if "help" in f.metadata:
+                name = f.metadata["name"] or f.name
+                options[name] = EngineOption(name, cls, f, types[f.name])
+    return options
+
+
+# Every option by name, in the order of the command line's help: the model, the KV cache, the
+# scheduler, then the engine's own.
+ENGINE_OPTIONS = _collect_options(ModelConfig, CacheConfig, SchedulerConfig, EngineConfig)
+
+
+def _option_values(given: dict[str, Any]) -> dict[str, Any]:
+    """Every option's value (given, else the field's default) by name, but the model's folder
+    (`create`'s first argument); an unknown name is a TypeError naming the closest ones."""
+    names = [name for name in ENGINE_OPTIONS if name != "model"]
+    for name in given:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+            raise TypeError(f"unknown engine option {name!r}" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    return {name: given.get(name, ENGINE_OPTIONS[name].default) for name in names}
+
+
+def _fields_of(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """The values of cls's options, as its fields' keyword arguments."""
+    return {o.field.name: values[o.name] for o in ENGINE_OPTIONS.values() if o.owner is cls and o.name in values}

@@ -1,7 +1,10 @@
 """The engine's command-line options, shared by `ferry generate`, `ferry serve` and the benchmarks.
 
-Named after `LLM`'s keyword arguments, which are vLLM's; `engine_kwargs` turns them back into those
-keyword arguments. vLLM's launch lines work unchanged: an option with vLLM's meaning that ferry has
+They are generated from the option fields of `EngineConfig` and its parts (config.py), which hold
+each option's default and help text and are named after `LLM`'s keyword arguments, which are vLLM's:
+the field `block_size` is `--block-size`, a boolean `enable_prefix_caching` is
+`--enable-prefix-caching/--no-enable-prefix-caching`. `engine_config` turns the parsed options into
+the `EngineConfig`. vLLM's launch lines work unchanged: an option with vLLM's meaning that ferry has
 no other value for yet (`--tensor-parallel-size 2`, `--quantization fp8`) is an error naming the
 option and the value, and an option that changes nothing in ferry (`--enable-chunked-prefill`,
 always on) is accepted and says so in its help.
@@ -11,7 +14,10 @@ from __future__ import annotations
 
 import argparse
 import difflib
-from typing import NoReturn
+from pathlib import Path
+from typing import Any, NoReturn
+
+from ferry.config import ENGINE_OPTIONS, EngineConfig, EngineOption
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -35,36 +41,13 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine's options, named after `LLM`'s keyword arguments."""
+    """The engine's options (the option fields of config.py that have a flag), then vLLM's that
+    ferry has one value for."""
     group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=None, help="model folder (default: the bundled model)")
-    group.add_argument("--tokenizer", default=None, help="folder of the tokenizer (default: the model's)")
-    group.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float", "half"],
-                       help="auto: the checkpoint's half-precision dtype on a GPU, float32 on a CPU")
-    group.add_argument("--device", default="cpu", help="cpu or cuda")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
-    group.add_argument("--max-num-seqs", type=int, default=256, help="most requests running at once")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="tokens per step (default: 2048 on a CPU; max(8192, min(max_model_len, 16384)) on a GPU)")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="context length (default: the model's max_position_embeddings)")
-    group.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: sized from memory)")
-    group.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                       help="fraction of the GPU's memory for weights, activations and the KV cache")
-    group.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                       help="dummy: random weights from config.json alone, for benchmarks")
-    group.add_argument("--seed", type=int, default=0, help="seed of the sampler's shared generator")
-    group.add_argument("--generation-config", default="auto",
-                       help="where EOS ids come from: auto (the model's generation_config.json), vllm (config.json "
-                            "only), or a folder with a generation_config.json")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                       help="reuse the KV cache of shared prompt prefixes")
-    group.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                       help="run every step eagerly; --no-enforce-eager replays decode steps from CUDA graphs "
-                            "(default: graphs on CUDA)")
-    group.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                       help="schedule and launch each step before waiting for the last one's tokens, so the host's "
-                            "work overlaps the device's (default: on CUDA)")
+    for option in ENGINE_OPTIONS.values():
+        if option.flag:
+            group.add_argument("--" + option.name.replace("_", "-"), default=option.default, help=option.help,
+                               **_parsing(option))
     vllm = parser.add_argument_group("vLLM's options ferry has one value for")
     vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                       help="GPUs per replica; ferry runs on one (tensor parallelism is not built yet)")
@@ -80,8 +63,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                            "a sandbox)")
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    """`LLM`'s keyword arguments from the options; an error naming any option whose value ferry lacks."""
+def _parsing(option: EngineOption) -> dict[str, Any]:
+    """How argparse reads an option, from its field's type: a boolean as --x/--no-x, a folder as
+    the string given."""
+    if option.type is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if option.type not in (int, float, str, Path):
+        raise TypeError(f"the option {option.name} ({option.type.__name__}) has no command-line form: flag=False")
+    return {"type": str if option.type is Path else option.type, "choices": option.choices}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine's configuration from the options (the model from `model_path`)."""
+    return EngineConfig.create(model_path(args), **engine_kwargs(args))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`EngineConfig.create`'s keyword arguments (`LLM`'s) from the options, all but the model; an
+    error naming any option whose value ferry lacks."""
     _only(args.tensor_parallel_size == 1, "--tensor-parallel-size", args.tensor_parallel_size,
           "ferry runs on one GPU; tensor parallelism is not built yet")
     _only(args.kv_cache_dtype == "auto", "--kv-cache-dtype", args.kv_cache_dtype,
@@ -90,14 +89,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
           "ferry runs the checkpoint's weights as they are; quantization is not built yet")
     _only(args.enable_chunked_prefill, "--no-enable-chunked-prefill", "",
           "ferry always chunks long prompts (a step mixes prefill chunks with decodes)")
-    return dict(
-        dtype=args.dtype, device=args.device, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-        load_format=args.load_format, seed=args.seed, enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, tokenizer=args.tokenizer,
-        generation_config=args.generation_config,
-    )
+    return {name: getattr(args, name) for name, option in ENGINE_OPTIONS.items() if option.flag and name != "model"}
 
 
 def _only(ok: bool, flag: str, value: object, why: str) -> None:
@@ -105,7 +97,8 @@ def _only(ok: bool, flag: str, value: object, why: str) -> None:
         raise ValueError(f"{flag} {value}".rstrip() + f": {why}")
 
 
-def model_path(args: argparse.Namespace):
+def model_path(args: argparse.Namespace) -> str | Path:
+    """--model, else the bundled model."""
     if args.model is not None:
         return args.model
     from ferry.assets import default_model_path

@@ -6,7 +6,8 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from ferry.engine.engine import LLMEngine, PromptType, make_engine_config
+from ferry.config import EngineConfig
+from ferry.engine.engine import LLMEngine, PromptType
 from ferry.outputs import RequestOutput
 from ferry.sampling_params import RequestOutputKind, SamplingParams
 
@@ -17,8 +18,10 @@ class LLM:
     >>> llm = LLM(model="path/to/model")
     >>> llm.generate(["def fibonacci(n):"], SamplingParams(max_tokens=32))[0].outputs[0].text
 
-    With `trace_dir`, every request is traced and `generate` leaves the traces there as Chrome trace
-    files, which Perfetto opens (see metrics/tracing.py).
+    The other keyword arguments are the engine's options, vLLM's names (`dtype`, `max_num_seqs`,
+    ...: the fields made with `option` in config.py; see `EngineConfig.create`). With `trace_dir`,
+    every request is traced and `generate` leaves the traces there as Chrome trace files, which
+    Perfetto opens (see metrics/tracing.py).
     """
 
     def __init__(self, model: str | Path | None = None, trace_dir: str | Path | None = None, **engine_args) -> None:
@@ -34,7 +37,7 @@ class LLM:
 
             self.trace_writer = TraceWriter(Path(trace_dir))
             tracer = RequestTracer(self.trace_writer.add)
-        self.engine = LLMEngine.from_config(make_engine_config(model, **engine_args), tracer)
+        self.engine = LLMEngine.from_config(EngineConfig.create(model, **engine_args), tracer)
         self._ids = itertools.count()
 
     @property

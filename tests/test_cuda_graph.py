@@ -29,7 +29,6 @@ from ferry import LLM, SamplingParams  # noqa: E402
 from ferry.attention.backend import ForwardContext  # noqa: E402
 from ferry.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from ferry.core.outputs import ScheduledRequest, SchedulerOutput  # noqa: E402
-from ferry.engine.engine import make_engine_config  # noqa: E402
 from ferry.executor.model_runner import build_model_runner  # noqa: E402
 from tiny_models import make_tiny_model, shuffled_block_tables  # noqa: E402
 
@@ -48,7 +47,7 @@ def tiny_model(tmp_path_factory):
 
 
 def graph_runner(path, device="cpu", sizes=GRAPH_SIZES, enforce_eager=False):
-    config = make_engine_config(
+    config = EngineConfig.create(
         path, dtype="float32", device=device, block_size=BLOCK_SIZE, num_kv_blocks=128,
         max_num_seqs=max(sizes), enforce_eager=enforce_eager, cuda_graph_batch_sizes=sizes,
     )
@@ -134,11 +133,11 @@ def test_cli_option_reaches_the_config(tiny_model):
     assert engine_kwargs(parser.parse_args([]))["enforce_eager"] is None  # the device decides
     kwargs = engine_kwargs(parser.parse_args(["--no-enforce-eager"]))
     assert kwargs["enforce_eager"] is False
-    assert make_engine_config(tiny_model, **kwargs).enforce_eager is False
-    assert make_engine_config(tiny_model, device="cpu").enforce_eager is True
-    assert make_engine_config(tiny_model, device="cuda").enforce_eager is False
-    assert make_engine_config(tiny_model, device="cuda:1", enforce_eager=True).enforce_eager is True
-    assert build_model_runner(make_engine_config(tiny_model, num_kv_blocks=8)).decode_graphs is None
+    assert EngineConfig.create(tiny_model, **kwargs).enforce_eager is False
+    assert EngineConfig.create(tiny_model, device="cpu").enforce_eager is True
+    assert EngineConfig.create(tiny_model, device="cuda").enforce_eager is False
+    assert EngineConfig.create(tiny_model, device="cuda:1", enforce_eager=True).enforce_eager is True
+    assert build_model_runner(EngineConfig.create(tiny_model, num_kv_blocks=8)).decode_graphs is None
 
 
 @pytest.mark.parametrize("num_reqs", [1, 3, 5, 8])
@@ -373,8 +372,8 @@ def test_graph_decode_equals_eager_decode_on_gpu(name, tmp_path_factory):
 def test_replay_equals_eager_forward_on_the_same_padded_inputs(tiny_model, dtype, tol):
     """The graph against the very launches it recorded, run eagerly, on one padded batch; then
     that a step prepares and replays without any host-device synchronization."""
-    config = make_engine_config(tiny_model, dtype=str(dtype).removeprefix("torch."), device="cuda",
-                                block_size=16, num_kv_blocks=64, max_num_seqs=8, enforce_eager=False)
+    config = EngineConfig.create(tiny_model, dtype=str(dtype).removeprefix("torch."), device="cuda",
+                                 block_size=16, num_kv_blocks=64, max_num_seqs=8, enforce_eager=False)
     runner = build_model_runner(config)
     graphs = runner.decode_graphs
     prompts = PROMPTS[:5]
@@ -400,8 +399,8 @@ def test_programmatic_dependent_launch_changes_no_bit(tiny_model, monkeypatch):
 
     def replayed_logits(pdl: bool) -> list[torch.Tensor]:
         monkeypatch.setenv("FERRY_PDL", "1" if pdl else "0")
-        config = make_engine_config(tiny_model, dtype="bfloat16", device="cuda", block_size=16, num_kv_blocks=64,
-                                    max_num_seqs=8, enforce_eager=False)
+        config = EngineConfig.create(tiny_model, dtype="bfloat16", device="cuda", block_size=16, num_kv_blocks=64,
+                                     max_num_seqs=8, enforce_eager=False)
         assert config.pdl == pdl
         runner = build_model_runner(config)
         assert use_pdl(torch.device("cuda")) == (pdl and torch.cuda.get_device_capability() >= (9, 0))

@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from ferry.engine.engine import LLMEngine, make_engine_config
+from ferry.config import EngineConfig
+from ferry.engine.engine import LLMEngine
 from ferry.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -65,7 +66,7 @@ def main() -> None:
 
     results = {}
     for caching in (False, True):
-        config = make_engine_config(
+        config = EngineConfig.create(
             args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
             load_format=args.load_format, enable_prefix_caching=caching,
             max_model_len=None,

@@ -44,14 +44,13 @@ def run(args: argparse.Namespace) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from ferry.engine_args import engine_kwargs
-    from ferry.engine.engine import make_engine_config
+    from ferry.engine_args import engine_config
     from ferry.sampling_params import RequestOutputKind, SamplingParams
 
     resolve_model_args(args)
     if args.max_num_seqs is None:
         args.max_num_seqs = args.batch_size
-    engine = build_engine(args, make_engine_config(args.model, **engine_kwargs(args)))
+    engine = build_engine(args, engine_config(args))
     cuda = torch.device(args.device).type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 

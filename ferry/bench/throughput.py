@@ -26,7 +26,7 @@ from pathlib import Path
 from ferry.bench.roofline import (
     ModelCost, RecordedStep, ScheduleRecorder, add_hardware_args, hardware_from_args, paging_waste, step_bound,
 )
-from ferry.engine_args import add_engine_args, engine_kwargs
+from ferry.engine_args import add_engine_args, engine_config
 from ferry.gc_settings import quiet_gc
 
 MAX_TOKEN_ID = 10000  # random prompt ids are drawn from [0, 10000], as nano-vllm and the baseline do
@@ -68,10 +68,8 @@ def setup(args: argparse.Namespace) -> tuple:
     of device memory (the KV cache is sized from what is free)."""
     import torch
 
-    from ferry.engine.engine import make_engine_config
-
     resolve_model_args(args)
-    config = make_engine_config(args.model, **engine_kwargs(args))
+    config = engine_config(args)
     hw = hardware_from_args(args, args.device, getattr(torch, config.model.dtype))
     return build_engine(args, config), hw, ModelCost.from_model_config(config.model)
 

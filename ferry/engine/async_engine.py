@@ -34,13 +34,14 @@ from typing import TYPE_CHECKING, Any
 from ferry.engine.engine_process import run_engine_process
 from ferry.engine.messages import (
     HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, Message,
-    RequestFailed, Shutdown, StepOutputs, decode, encode, frame_length,
+    RequestFailed, Shutdown, StepOutputs, decode, encode, encode_config, frame_length,
 )
 from ferry.metrics.tracing import RequestTrace
 from ferry.outputs import CompletionOutput, RequestOutput
 from ferry.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from ferry.config import EngineConfig
     from ferry.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -118,18 +119,18 @@ class AsyncEngine:
 
     @classmethod
     async def start(
-        cls, model: str | Path, engine_kwargs: dict[str, Any], threads: int | None = None,
-        timeout_s: float = 900.0, trace: bool = False, restart: RestartPolicy | None = None,
-        on_give_up: Callable[[str], None] | None = None, chat_template: str | None = None,
+        cls, config: EngineConfig, threads: int | None = None, timeout_s: float = 900.0, trace: bool = False,
+        restart: RestartPolicy | None = None, on_give_up: Callable[[str], None] | None = None,
+        chat_template: str | None = None,
     ) -> AsyncEngine:
-        """Spawn the engine process, wait until its model is loaded, and load the tokenizer here
-        (the server tokenizes, so the engine's core spends its time on the model): from
-        engine_kwargs["tokenizer"] when given, with `chat_template` instead of the model's when
-        given. With `trace`, the engine traces every request (see metrics/tracing.py). With
-        `restart`, an engine process that dies is replaced (see RestartPolicy); `on_give_up(reason)`
-        runs if none will start."""
-        tokenizer_dir = Path(engine_kwargs.get("tokenizer") or model)
-        return await cls.spawn(run_engine_process, (str(model), engine_kwargs, threads, trace),
+        """Spawn the engine process of `config` (which it gets encoded, engine/messages.py), wait
+        until its model is loaded, and load the tokenizer here (the server tokenizes, so the
+        engine's core spends its time on the model): from config.model.tokenizer_dir, with
+        `chat_template` instead of the model's when given. With `trace`, the engine traces every
+        request (see metrics/tracing.py). With `restart`, an engine process that dies is replaced,
+        with the same config (see RestartPolicy); `on_give_up(reason)` runs if none will start."""
+        tokenizer_dir = config.model.tokenizer_dir
+        return await cls.spawn(run_engine_process, (encode_config(config), threads, trace),
                                lambda: _load_tokenizer(tokenizer_dir, chat_template), timeout_s, restart=restart,
                                on_give_up=on_give_up)
 

@@ -22,10 +22,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ferry.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, environment_defaults
+from ferry.config import EngineConfig
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.outputs import SchedulerOutput
 from ferry.core.request import FinishReason, Request
@@ -247,51 +246,3 @@ def _child_params(params: SamplingParams, index: int) -> SamplingParams:
     seed = None if params.seed is None else (params.seed + index) % 2**64
     return replace(params, n=1, seed=seed)
 
-
-def make_engine_config(
-    model: str | Path,
-    dtype: str = "auto",
-    device: str = "cpu",
-    block_size: int = 16,
-    max_num_seqs: int = 256,
-    max_num_batched_tokens: int | None = None,
-    max_model_len: int | None = None,
-    num_kv_blocks: int | None = None,
-    gpu_memory_utilization: float = 0.9,
-    seed: int = 0,
-    load_format: str = "auto",
-    enable_prefix_caching: bool = True,
-    enforce_eager: bool | None = None,
-    cuda_graph_batch_sizes: list[int] | tuple[int, ...] | None = None,
-    async_scheduling: bool | None = None,
-    tokenizer: str | Path | None = None,
-    generation_config: str = "auto",
-    attention_backend: str | None = None,
-    pdl: bool | None = None,
-) -> EngineConfig:
-    """The engine's configuration from `LLM`'s keyword arguments. enforce_eager None: decode steps
-    replay CUDA graphs on a CUDA device, and run eagerly elsewhere (padding buys nothing there).
-    async_scheduling None: on a CUDA device, where the host's work can hide behind the device's;
-    on a CPU the two are the same cores, and overlapping them gains nothing."""
-    on_cuda = str(device).split(":")[0] == "cuda"
-    if enforce_eager is None:
-        enforce_eager = not on_cuda
-    if async_scheduling is None:
-        async_scheduling = on_cuda
-    model_config = ModelConfig.from_pretrained(model, dtype, max_model_len, load_format, device, tokenizer,
-                                               generation_config)
-    environment = environment_defaults()
-    if max_num_batched_tokens is None:
-        max_num_batched_tokens = max(8192, min(model_config.max_model_len, 16384)) if device != "cpu" else 2048
-    return EngineConfig(
-        model=model_config,
-        cache=CacheConfig(block_size, num_kv_blocks, enable_prefix_caching, gpu_memory_utilization),
-        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, model_config.max_model_len),
-        device=device,
-        seed=seed,
-        enforce_eager=enforce_eager,
-        cuda_graph_batch_sizes=None if cuda_graph_batch_sizes is None else tuple(cuda_graph_batch_sizes),
-        async_scheduling=async_scheduling,
-        attention_backend=attention_backend if attention_backend is not None else environment["attention_backend"],
-        pdl=pdl if pdl is not None else environment["pdl"],
-    )

@@ -34,11 +34,10 @@ import socket
 import sys
 import threading
 import traceback
-from typing import Any
 
 from ferry.engine.messages import (
     HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, Message,
-    RequestFailed, Shutdown, StepOutputs, decode, encode, frame_length,
+    RequestFailed, Shutdown, StepOutputs, decode, decode_config, encode, frame_length,
 )
 from ferry.engine.faults import is_device_fault
 from ferry.gc_settings import quiet_gc
@@ -46,25 +45,26 @@ from ferry.metrics.tracing import RequestTrace, RequestTracer
 from ferry.outputs import RequestOutput
 
 
-def run_engine_process(
-    sock: socket.socket, model: str, engine_kwargs: dict[str, Any], threads: int | None, trace: bool = False,
-) -> None:
-    """The engine process's entry point (the target of a spawned `multiprocessing.Process`). With
-    `trace`, finished requests' traces go to the server with the step outputs."""
+def run_engine_process(sock: socket.socket, config: str, threads: int | None, trace: bool = False) -> None:
+    """The engine process's entry point (the target of a spawned `multiprocessing.Process`): the
+    engine of `config`, an `EngineConfig` as `encode_config` wrote it (the server built it, and
+    checked it, once). With `trace`, finished requests' traces go to the server with the step outputs."""
     # Ctrl-C reaches the whole process group; the server shuts the engine down in order instead.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     channel = Channel(sock)
     try:
         import torch
 
-        from ferry.engine.engine import LLMEngine, make_engine_config
+        from ferry.engine.engine import LLMEngine
 
-        threads = threads if threads is not None else default_threads(engine_kwargs.get("device", "cpu"))
+        engine_config = decode_config(config)
+        engine_config.model.check_folder()  # a restart, maybe long after the server read the folder
+        threads = threads if threads is not None else default_threads(engine_config.device)
         if threads is not None:
             torch.set_num_threads(threads)
         finished_traces: list[RequestTrace] = []
         tracer = RequestTracer(finished_traces.append) if trace else None
-        engine = LLMEngine.from_config(make_engine_config(model, **engine_kwargs), tracer)
+        engine = LLMEngine.from_config(engine_config, tracer)
         quiet_gc()
         EngineLoop(engine, channel, finished_traces).run()
         engine.shutdown()

@@ -15,15 +15,21 @@ are one completion's new text and tokens, nothing else; those travel as a short 
 (a step's message carries hundreds of them). Prompt logprobs travel once,
 in the first output that has all of them. With tracing on, a step's message also carries the
 traces of the requests that finished in it.
+
+The engine process gets its `EngineConfig` through the same codec (`encode_config`, as the
+argument it is spawned with): every field by name, the sub-configs nested, folders as strings and
+tuples as lists; decoding builds the config classes alone, whose checks run again.
 """
 
 from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
+from ferry.config import EngineConfig, field_types
 from ferry.metrics.tracing import RequestTrace, TraceEvent
 from ferry.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from ferry.sampling_params import RequestOutputKind, SamplingParams
@@ -197,7 +203,56 @@ def frame_length(header: bytes) -> int:
 HEADER_BYTES = _HEADER.size
 
 
+def encode_config(config: EngineConfig) -> str:
+    """The engine's configuration as JSON text."""
+    return json.dumps(_config_to_json(config))
+
+
+def decode_config(text: str) -> EngineConfig:
+    """The configuration `encode_config` wrote. Raises ValueError on anything else."""
+    try:
+        return _config_from_json(EngineConfig, json.loads(text))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"malformed engine config: {e!r}") from None
+
+
 # ---- field codecs ----
+
+
+def _config_to_json(config: Any) -> dict:
+    body = {}
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if is_dataclass(value):
+            value = _config_to_json(value)
+        elif isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        body[f.name] = value
+    return body
+
+
+def _config_from_json(cls: type, body: Any) -> Any:
+    """A config class from its fields by name, each back in its field's type (a missing field is a
+    TypeError; the class checks the values)."""
+    if not isinstance(body, dict):
+        raise TypeError(f"{cls.__name__} must be an object, got {type(body).__name__}")
+    types = field_types(cls)
+    unknown = set(body) - set(types)
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}")
+    values = {}
+    for name, value in body.items():
+        kind = types[name]
+        if value is not None and is_dataclass(kind):
+            value = _config_from_json(kind, value)
+        elif value is not None and kind is Path:
+            value = Path(_str(value))
+        elif value is not None and kind is tuple:
+            value = tuple(value)
+        values[name] = value
+    return cls(**values)
 
 
 def _flat_to_json(obj: Any) -> list:

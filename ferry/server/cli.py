@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ferry import __version__
-from ferry.engine_args import add_engine_args, engine_kwargs, model_path
+from ferry.engine_args import add_engine_args, engine_config
 from ferry.server.config import ServerConfig
 
 DEFAULT_MODEL_NAME = "ferry-default"
@@ -99,8 +99,10 @@ def chat_template_source(value: str | None) -> str | None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    """Check the options, take the port, then start the engine behind a server that already answers
-    (/health is 503 until the model is loaded). Exits 1 when no engine will start."""
+    """Check the options and build the engine's config (so a bad option or config.json fails here,
+    before the port is taken or a process spawned), take the port, then start the engine behind a
+    server that already answers (/health is 503 until the model is loaded). Exits 1 when no engine
+    will start."""
     import uvicorn
 
     from ferry.engine.async_engine import AsyncEngine, RestartPolicy
@@ -112,11 +114,9 @@ def serve(args: argparse.Namespace) -> int:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"the model is given twice: {args.model_tag} and --model {args.model}")
         args.model = args.model_tag
-    model = Path(model_path(args))
-    if not (model / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in model folder {model}")
     if args.tokenizer is not None and not (Path(args.tokenizer) / "tokenizer.json").is_file():
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no tokenizer.json in that folder")
+    engine_cfg = engine_config(args)  # reads the model's config.json
     chat_template = chat_template_source(args.chat_template)
     if args.enable_auto_tool_choice or args.tool_call_parser:
         logging.getLogger("ferry.server").warning(
@@ -137,7 +137,6 @@ def serve(args: argparse.Namespace) -> int:
     if args.engine_restarts < 0:
         raise ValueError(f"--engine-restarts must be >= 0, got {args.engine_restarts}")
     restart = RestartPolicy(max_attempts=args.engine_restarts) if args.engine_restarts > 0 else None
-    kwargs = engine_kwargs(args)
     trace = config.trace_dir is not None
     failure: list[str] = []
 
@@ -145,7 +144,7 @@ def serve(args: argparse.Namespace) -> int:
         failure.append(reason)
         server.should_exit = True
 
-    app = build_app(config, lambda: AsyncEngine.start(model, kwargs, threads=args.engine_threads, trace=trace,
+    app = build_app(config, lambda: AsyncEngine.start(engine_cfg, threads=args.engine_threads, trace=trace,
                                                       restart=restart, on_give_up=give_up,
                                                       chat_template=chat_template), on_fatal=give_up)
     uvicorn_config = uvicorn.Config(
