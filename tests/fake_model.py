@@ -38,8 +38,11 @@ class FakeModel(torch.nn.Module):
             pos = torch.arange(seq_len)
             slots = md.block_tables[i, pos // block_size].long() * block_size + pos % block_size
             context = cache[slots].long().tolist()
-            last_row = md.query_start_loc_cpu[i + 1] - 1
-            hidden[last_row, expected_next_token(context)] = 1.0
+            first_row, end_row = md.query_start_loc_cpu[i], md.query_start_loc_cpu[i + 1]
+            # Every query row predicts from the context up to its own position (causal), as a
+            # step that verifies proposed tokens needs.
+            for row in range(first_row, end_row):
+                hidden[row, expected_next_token(context[:seq_len - (end_row - row) + 1])] = 1.0
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -68,10 +71,10 @@ def fake_engine_config(
     )
 
 
-def fake_engine(**kwargs) -> LLMEngine:
+def fake_engine(proposer=None, **kwargs) -> LLMEngine:
     config = fake_engine_config(**kwargs)
     kv_caches = [torch.full((2, config.cache.num_kv_blocks, config.cache.block_size, 1, 1), -1.0)]
-    runner = ModelRunner(config, FakeModel(), kv_caches, backend=None, sampler=Sampler(seed=0))
+    runner = ModelRunner(config, FakeModel(), kv_caches, backend=None, sampler=Sampler(seed=0), proposer=proposer)
     return LLMEngine(config, runner, tokenizer=None)
 
 

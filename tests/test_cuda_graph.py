@@ -64,7 +64,8 @@ def prefill(runner, prompts: list[list[int]]) -> list[int]:
                          prompt_token_ids=p, output_token_ids=[])
         for i, p in enumerate(prompts)
     ]
-    return runner.execute(SchedulerOutput(scheduled, sum(map(len, prompts)))).sampled_token_ids
+    output = runner.execute(SchedulerOutput(scheduled, sum(map(len, prompts)))).sampled_token_ids
+    return [tokens[0] for tokens in output]
 
 
 def decode_step(prompts: list[list[int]], tokens: list[int], step: int) -> list[ScheduledRequest]:

@@ -187,7 +187,7 @@ def test_duplicate_request_id_is_rejected():
 
 
 class OnlyTheSeam:
-    """An executor that is nothing but the four members of the Executor protocol, over a ModelRunner:
+    """An executor that is nothing but the members of the Executor protocol, over a ModelRunner:
     what a multi-process executor would offer."""
 
     def __init__(self, runner) -> None:
@@ -197,6 +197,10 @@ class OnlyTheSeam:
     @property
     def num_kv_blocks(self) -> int:
         return self._runner.num_kv_blocks
+
+    @property
+    def proposes_tokens(self) -> bool:
+        return self._runner.proposes_tokens
 
     def launch(self, scheduler_output):
         self.launched += 1

@@ -1,11 +1,20 @@
-"""The seam between the scheduler and the model runner: plain data, one message each way per step.
+"""The seam between the scheduler and the executor: plain data, one message each way per step.
 
-    Scheduler.schedule() ──SchedulerOutput──► ModelRunner.execute()
+    Scheduler.schedule() ──SchedulerOutput──► Executor.launch() ... collect()
     Scheduler.update_from_output() ◄──ModelRunnerOutput──┘
 
-The runner keeps its own per-request state (block table, sampling generator) keyed by request id, so
-a step tells it only what changed: the tokens to compute, blocks added since the last step, and which
-requests are gone.
+The executor keeps its own per-request state (block table, sampling generator) keyed by request id,
+so a step tells it only what changed: the tokens to compute, blocks added since the last step, and
+which requests are gone.
+
+A row may carry proposed tokens after its last one (`num_draft_tokens`, speculative decoding): the
+step computes all of them in one forward, samples a token after each position, and keeps the
+proposals up to the first one that differs from what was sampled there, plus the token sampled
+after the last kept one. So a step gives a request between 1 and 1 + num_draft_tokens tokens:
+
+    token_ids:        [ last | d0  d1  d2  d3 ]          4 proposals
+    sampled after:      s0     s1  s2  s3  s4
+    s0 == d0, s1 == d1, s2 != d2  ->  new tokens d0 d1 s2   (2 proposals accepted)
 """
 
 from __future__ import annotations
@@ -19,9 +28,9 @@ from ferry.sampling_params import SamplingParams
 @dataclass(slots=True)
 class ScheduledRequest:
     request_id: str
-    # The tokens to compute this step (a prefill chunk, or one decode token). None for a token the
-    # step still running sampled (asynchronous scheduling): the runner takes its id from that
-    # step's sampled tokens on the device.
+    # The tokens to compute this step (a prefill chunk, or one decode token and maybe proposals
+    # after it). None for a token the step still running sampled (asynchronous scheduling): the
+    # runner takes its id from that step's sampled tokens on the device.
     token_ids: list[int | None]
     start_pos: int  # position of token_ids[0]: the request's num_computed_tokens before this step
     new_block_ids: list[int]  # blocks appended to its block table since the runner last saw it
@@ -35,6 +44,8 @@ class ScheduledRequest:
     eos_token_ids: tuple[int, ...] = ()  # banned, with stop_token_ids, until min_tokens are out
     # Rows of this chunk whose next-token logprobs the client asked for (prompt logprobs).
     prompt_logprobs: bool = False
+    # The last this many of token_ids are proposals to verify (see the module's docstring).
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -49,6 +60,9 @@ class SchedulerOutput:
     # Requests this step's schedule() preempted (also in finished_request_ids, for the runner); they
     # wait again, to be recomputed. Nothing in a step needs them: they are there to be observed.
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Numbers the scheduler's steps, so that it finds which requests a step samples for when its
+    # output comes back (one or two steps later, with asynchronous scheduling).
+    step_id: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -67,13 +81,17 @@ class Logprobs:
 
 @dataclass
 class ModelRunnerOutput:
-    # One entry per scheduled request with sample=True, in scheduling order.
+    # One entry per scheduled request with sample=True, in scheduling order: the step's new tokens
+    # of that request (one, or more where proposals were accepted).
     sampled_request_ids: list[str]
-    sampled_token_ids: list[int]
-    logprobs: list[Logprobs | None] | None = None
+    sampled_token_ids: list[list[int]]
+    # Per request, per new token (None where the request did not ask); None when nobody asked.
+    logprobs: list[list[Logprobs] | None] | None = None
     # request id -> (first position, logprobs of the prompt tokens this step's chunk covered);
     # the entry for position p is the logprob of prompt token p + 1.
     prompt_logprobs: dict[str, tuple[int, list[Logprobs]]] = field(default_factory=dict)
+    # Proposed next tokens per request (an executor with a proposer), to be verified by the next step.
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -84,34 +102,6 @@ class RequestUpdate:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
-    logprobs: Logprobs | None = None
+    logprobs: list[Logprobs] | None = None  # one per new token
     prompt_logprobs: tuple[int, list[Logprobs]] | None = None
     num_cached_tokens: int = 0
-
-
-class OwedTokens:
-    """Tokens still in flight (asynchronous scheduling) for requests that have ended on this side of
-    the seam. Their ids may be taken by new requests before the tokens arrive; `take` says which
-    arriving tokens are such leftovers, to be dropped."""
-
-    def __init__(self) -> None:
-        self._counts: dict[str, int] = {}
-
-    def add(self, request_id: str, n: int) -> None:
-        if n:
-            self._counts[request_id] = self._counts.get(request_id, 0) + n
-
-    def take(self, request_id: str) -> bool:
-        """True (and one fewer owed) when a token of `request_id` is a leftover."""
-        n = self._counts.get(request_id)
-        if n is None:
-            return False
-        if n == 1:
-            del self._counts[request_id]
-        else:
-            self._counts[request_id] = n - 1
-        return True
-
-    def __bool__(self) -> bool:
-        return bool(self._counts)
-

@@ -37,10 +37,10 @@ class FinishReason(enum.Enum):
 
 class Request:
     __slots__ = (
-        "request_id", "prompt_token_ids", "sampling_params", "all_token_ids", "output_token_ids",
+        "request_id", "prompt_token_ids", "sampling_params", "all_token_ids",
         "num_computed_tokens", "num_cached_tokens", "status", "finish_reason", "stop_reason",
         "max_tokens", "eos_token_ids", "arrival_time", "num_preemptions", "cache_salt", "block_hashes",
-        "num_in_flight",
+        "num_in_flight", "draft_token_ids",
     )
 
     def __init__(
@@ -56,10 +56,10 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
-        self.all_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
+        self.all_token_ids = list(prompt_token_ids)  # the prompt, then the output: one list for both
         self.num_computed_tokens = 0
         self.num_in_flight = 0  # sampled tokens whose ids the host does not know yet
+        self.draft_token_ids: list[int] = []  # proposed next tokens, for the next step to verify
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at admission
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
@@ -88,18 +88,26 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The tokens generated so far (a copy: the list is all_token_ids' tail)."""
+        return self.all_token_ids[len(self.prompt_token_ids):]
+
+    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
     def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
     def check_stop(self) -> FinishReason | None:
         """Token-level stop conditions, checked after each new token. Stop strings need text, so the
         engine checks those after detokenizing."""
-        n = len(self.output_token_ids)
-        last = self.output_token_ids[-1]
+        n = self.num_output_tokens
+        last = self.all_token_ids[-1]
         params = self.sampling_params
         if n >= params.min_tokens:
             if last in self.eos_token_ids:

@@ -15,16 +15,25 @@ Asynchronous scheduling (the engine's `async_scheduling`) calls schedule() for s
 update_from_output() of step N. A request that step N samples from then has one token in flight: it
 is scheduled to decode that unknown token (None in its token_ids), unless the token is sure to be its
 last (max_tokens or the context length). A stop that only the token can tell (EOS, stop tokens,
-stop strings) is found one step late, and the extra step's token is dropped.
+stop strings) is found one step late, and the extra step's token is dropped. The one ledger of what
+is in flight is the scheduler's record of each step: the Request objects it samples for, kept until
+its output comes back. A token for a request that has finished meanwhile is dropped, even when a new
+request has taken the same id; a preempted request keeps its token, and waits for it before it is
+recomputed.
+
+Proposed tokens (`Request.draft_token_ids`, from an executor that proposes) ride along with a
+running request's decode: they are scheduled as computed, and the ones the step rejects are rolled
+back (`num_computed_tokens` goes down by their number) when its output comes back.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 
 from ferry.config import SchedulerConfig
 from ferry.core.kv_cache_manager import KVCacheManager
-from ferry.core.outputs import ModelRunnerOutput, OwedTokens, RequestUpdate, ScheduledRequest, SchedulerOutput
+from ferry.core.outputs import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
 from ferry.core.request import FinishReason, Request, RequestStatus
 
 
@@ -41,9 +50,10 @@ class Scheduler:
         self._pending_updates: list[RequestUpdate] = []
         self.num_preemptions = 0
         self._preempted_ids: list[str] = []  # in this schedule()
-        # Tokens still in flight for requests that finished (asynchronous scheduling): their ids may
-        # be taken by new requests before those tokens arrive, and must not be credited to them.
-        self._owed = OwedTokens()
+        # Per step scheduled and not yet updated from: the requests it samples for, in row order,
+        # with the number of proposals each carries.
+        self._sampling: dict[int, list[tuple[Request, int]]] = {}
+        self._step_ids = itertools.count()
 
     # ---- admission and removal ----
 
@@ -70,7 +80,6 @@ class Scheduler:
             self._finish(request, reason)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        self._owed.add(request.request_id, request.num_in_flight)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         self.kv_cache.free(request)
@@ -93,35 +102,54 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        sampling: list[tuple[Request, int]] = []
         copy_blocks: list[tuple[int, int]] = []
         self.kv_cache.begin_step()
         self._preempted_ids = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            if request.num_in_flight and len(request.output_token_ids) + request.num_in_flight >= request.max_tokens:
+            if request.num_in_flight and request.num_output_tokens + request.num_in_flight >= request.max_tokens:
                 i += 1  # its token in flight is its last: nothing more to compute
                 continue
             num_new = min(request.num_known_and_in_flight - request.num_computed_tokens, budget)
-            new_blocks = self._allocate_or_preempt(request, num_new)
+            drafts = self._drafts_to_verify(request, num_new, budget)
+            new_blocks = self._allocate_or_preempt(request, num_new + len(drafts))
             if new_blocks is None:
                 # It gave way itself (it was the last running request), so the loop is over; or it
                 # waits for its token in flight, which may end it.
                 i += request.status is RequestStatus.RUNNING
                 continue
-            scheduled.append(self._scheduled(request, num_new, new_blocks))
-            budget -= num_new
+            scheduled.append(self._scheduled(request, num_new, new_blocks, sampling, drafts=drafts))
+            budget -= num_new + len(drafts)
             i += 1
         # Admitting new work right after a preemption would only thrash the pool.
         if not self._preempted_ids:
-            budget = self._admit_waiting(budget, scheduled, copy_blocks)
+            budget = self._admit_waiting(budget, scheduled, copy_blocks, sampling)
+        step_id = next(self._step_ids)
+        self._sampling[step_id] = sampling
         return SchedulerOutput(
             scheduled=scheduled,
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             finished_request_ids=self._take_finished_ids(),
             copy_blocks=copy_blocks,
             preempted_request_ids=self._preempted_ids,
+            step_id=step_id,
         )
+
+    @staticmethod
+    def _drafts_to_verify(request: Request, num_new: int, budget: int) -> list[int]:
+        """The proposals a decode of `request` can carry: none unless its one new token is known,
+        and no more than the budget, max_tokens and the context length leave room for (a step that
+        accepts them all also samples one token more)."""
+        drafts = request.draft_token_ids
+        if not drafts:
+            return drafts
+        request.draft_token_ids = []  # proposals are for one step: the next ones follow its tokens
+        if num_new != 1 or request.num_in_flight:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
+        return drafts[:max(room, 0)]
 
     def _allocate_or_preempt(self, request: Request, num_new: int) -> list[int] | None:
         """Allocate blocks for `request`, preempting the lowest-priority running requests until
@@ -156,10 +184,13 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _admit_waiting(
-        self, budget: int, scheduled: list[ScheduledRequest], copy_blocks: list[tuple[int, int]]
+        self, budget: int, scheduled: list[ScheduledRequest], copy_blocks: list[tuple[int, int]],
+        sampling: list[tuple[Request, int]],
     ) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_in_flight:
+                break  # preempted with a token in flight: it resumes once the token is known
             hit = self.kv_cache.match_prefix(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
             new_blocks = self.kv_cache.allocate_slots(request, num_new, hit)
@@ -175,12 +206,13 @@ class Scheduler:
                 copy_blocks.append((hit.copy_last_from, new_blocks[0]))
             self.running.append(request)
             self._finished_ids.discard(request.request_id)
-            scheduled.append(self._scheduled(request, num_new, new_blocks, new=True))
+            scheduled.append(self._scheduled(request, num_new, new_blocks, sampling, new=True))
             budget -= num_new
         return budget
 
     def _scheduled(
-        self, request: Request, num_new: int, new_blocks: list[int], new: bool = False
+        self, request: Request, num_new: int, new_blocks: list[int], sampling: list[tuple[Request, int]],
+        new: bool = False, drafts: list[int] = (),
     ) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
@@ -188,6 +220,8 @@ class Scheduler:
         if len(token_ids) < num_new:
             token_ids += [None] * (num_new - len(token_ids))  # in flight
         sample = end == request.num_known_and_in_flight
+        if drafts:
+            token_ids += drafts
         item = ScheduledRequest(
             request_id=request.request_id,
             token_ids=token_ids,
@@ -196,17 +230,20 @@ class Scheduler:
             sample=sample,
             prompt_logprobs=request.sampling_params.prompt_logprobs is not None
             and start < request.num_prompt_tokens,
+            num_draft_tokens=len(drafts),
         )
         if new:
             item.new = True
             item.sampling_params = request.sampling_params
             item.prompt_token_ids = request.prompt_token_ids
-            item.output_token_ids = list(request.output_token_ids)
+            item.output_token_ids = request.output_token_ids
             item.eos_token_ids = request.eos_token_ids
         # Counted as computed now: the runner computes them before the next schedule() can look.
-        request.num_computed_tokens = end
+        # (Rejected proposals are taken back in update_from_output.)
+        request.num_computed_tokens = end + len(drafts)
         if sample:
             request.num_in_flight += 1
+            sampling.append((request, len(drafts)))
         return item
 
     def _take_finished_ids(self) -> set[str]:
@@ -218,27 +255,38 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestUpdate]:
-        """Append sampled tokens, apply token-level stops, free finished requests' blocks."""
+        """Append sampled tokens, roll back rejected proposals, apply token-level stops, free
+        finished requests' blocks."""
         updates, self._pending_updates = self._pending_updates, []
         logprobs = runner_output.logprobs
-        for i, request_id in enumerate(runner_output.sampled_request_ids):
-            if self._owed and self._owed.take(request_id):
-                continue  # its request finished while this step ran; a new one may have its id
-            request = self.requests.get(request_id)
-            if request is None:
-                continue
+        sampled = self._sampling.pop(scheduler_output.step_id, [])
+        for i, (request, num_drafts) in enumerate(sampled):
+            if request.is_finished:
+                continue  # it finished while this step ran; a new request may have its id
             request.num_in_flight -= 1
+            token_ids = runner_output.sampled_token_ids[i]
+            if num_drafts and request.status is RequestStatus.RUNNING:
+                request.num_computed_tokens -= num_drafts + 1 - len(token_ids)  # the rejected ones
             # A request preempted while its token was in flight keeps the token: it is as good as
             # any other, and the recompute will include it.
-            token_id = runner_output.sampled_token_ids[i]
-            request.append_output_token(token_id)
-            reason = request.check_stop()
+            reason = None
+            for n, token_id in enumerate(token_ids, 1):
+                request.append_output_token(token_id)
+                reason = request.check_stop()
+                if reason is not None:
+                    token_ids = token_ids[:n]  # the tokens of an accepted run past its stop are dropped
+                    break
             if reason is not None:
                 (self.running if request.status is RequestStatus.RUNNING else self.waiting).remove(request)
                 self._finish(request, reason)
+            request_id = request.request_id
+            draft = runner_output.draft_token_ids.get(request_id) if runner_output.draft_token_ids else None
+            if draft and reason is None:
+                request.draft_token_ids = draft
+            request_logprobs = logprobs[i] if logprobs is not None else None
             updates.append(RequestUpdate(
-                request_id, [token_id], reason, request.stop_reason,
-                logprobs[i] if logprobs is not None else None,
+                request_id, token_ids, reason, request.stop_reason,
+                request_logprobs[:len(token_ids)] if request_logprobs is not None else None,
                 runner_output.prompt_logprobs.get(request_id),
                 request.num_cached_tokens,
             ))
@@ -248,3 +296,7 @@ class Scheduler:
                 updates.append(RequestUpdate(request_id, [], prompt_logprobs=prompt_logprobs))
         return updates
 
+    def abandon(self, scheduler_output: SchedulerOutput) -> None:
+        """Forget a step whose output will never come (it failed): its requests are being failed."""
+        for request, _ in self._sampling.pop(scheduler_output.step_id, []):
+            request.num_in_flight = 0

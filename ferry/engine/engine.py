@@ -210,6 +210,8 @@ class LLMEngine:
         logger.exception("internal error in a step: failing its requests and going on")
         why = f"the engine failed on this step ({type(error).__name__}: {error})"
         child_ids = {s.request_id for output in self._unapplied for s in output.scheduled}
+        for output in self._unapplied:
+            self.scheduler.abandon(output)
         self._unapplied.clear()
         self._in_flight = None
         outputs = []
@@ -217,10 +219,6 @@ class LLMEngine:
             output, children = self.output_processor.fail(request_id, why)
             outputs.append(output)
             child_ids.update(children)
-        for child_id in child_ids:
-            request = self.scheduler.requests.get(child_id)
-            if request is not None:
-                request.num_in_flight = 0
         failed = sorted(child_ids)
         self.scheduler.finish_requests(failed, FinishReason.ERROR)
         if self.tracer is not None:
@@ -229,7 +227,10 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is collected: not while a
-        running request's penalties need its tokens on the host."""
+        running request's penalties need its tokens on the host, nor when the executor proposes
+        tokens (the next step verifies proposals that follow the tokens of this one)."""
+        if self.executor.proposes_tokens:
+            return False
         return not any(r.sampling_params.uses_penalties for r in self.scheduler.running)
 
 

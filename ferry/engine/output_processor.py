@@ -202,7 +202,24 @@ class OutputProcessor:
         return entry[0].request_id if entry is not None else None
 
     def _add_tokens(self, completion: _Completion, update: RequestUpdate) -> bool:
-        """Append new tokens and their text; True when a stop string ended a running completion."""
+        """Append new tokens and their text; True when a stop string ended a running completion.
+        Several tokens (accepted proposals) are checked for stop strings one by one, and the tokens
+        after the one that completes a stop string are dropped."""
+        token_ids = update.new_token_ids
+        if len(token_ids) < 2 or not completion.params.stop:
+            return self._add_run(completion, update)
+        last = len(token_ids) - 1
+        for k, token_id in enumerate(token_ids):
+            one = RequestUpdate(
+                update.request_id, [token_id], update.finish_reason if k == last else None,
+                update.stop_reason if k == last else None,
+                update.logprobs[k:k + 1] if update.logprobs is not None else None,
+            )
+            if self._add_run(completion, one):
+                return True
+        return False
+
+    def _add_run(self, completion: _Completion, update: RequestUpdate) -> bool:
         params = completion.params
         old_len = len(completion.text)
         reason = update.finish_reason
@@ -252,12 +269,13 @@ class OutputProcessor:
         completion.stop_reason = stop
         return True
 
-    def _add_logprobs(self, completion: _Completion, lp: Logprobs) -> None:
+    def _add_logprobs(self, completion: _Completion, logprobs: list[Logprobs]) -> None:
         if completion.logprobs is None:
             completion.logprobs = []
             completion.cumulative_logprob = 0.0
-        completion.logprobs.append(self._position_logprobs(lp))
-        completion.cumulative_logprob += lp.logprob
+        for lp in logprobs:
+            completion.logprobs.append(self._position_logprobs(lp))
+            completion.cumulative_logprob += lp.logprob
 
     def _add_prompt_logprobs(self, state: _RequestState, start: int, logprobs: list[Logprobs]) -> None:
         # Entry p of the list scores prompt token p + 1; a chunk recomputed after a preemption

@@ -7,17 +7,21 @@ freezes every launch's grid and every tensor's address, and that shapes this fil
 
 - Batch sizes come in buckets (`EngineConfig.decode_graph_sizes`). A step whose n requests each
   decode one token runs the graph of the smallest captured size b >= n; rows n .. b-1 are padding.
+- Graphs also come per number of query tokens a row brings, q (`query_lens`): 1 for a plain decode,
+  1 + k where each request verifies k proposed tokens (speculative decoding). Request i's q tokens
+  are consecutive rows i*q .. i*q+q-1, at positions p_i .. p_i+q-1.
 - The inputs live in static buffers that each step overwrites, real rows first, then padding:
 
-      int64 (3, max_b)  input_ids     [ t_0 .. t_n-1 |  0 ..  0 | not read ]
-                        positions     [ p_0 .. p_n-1 |  0 ..  0 | not read ]
-                        slot_mapping  [ s_0 .. s_n-1 | -1 .. -1 | not read ]
-                                        real rows      padding    rows >= b
+      int64 (3, max_b * max_q)
+                        input_ids     [ t_0 .. t_nq-1 |  0 ..  0 | not read ]
+                        positions     [ p_0 .. p_nq-1 |  0 ..  0 | not read ]   (padding: 0 .. q-1)
+                        slot_mapping  [ s_0 .. s_nq-1 | -1 .. -1 | not read ]
+                                        real rows       padding    rows >= b*q
       int32 (max_b + max_b * max_blocks)
-                        [ seq_lens (max_b): p_i + 1, padding 1 | block_tables (max_b, max_blocks) ]
+                        [ seq_lens (max_b): p_i + q, padding q | block_tables (max_b, max_blocks) ]
 
-  A padding row stores nothing (slot -1), attends to the one key at block 0, offset 0 (finite:
-  some request's key, or the zeros the cache starts with), and its output is dropped before the
+  A padding row stores nothing (slot -1), attends to the first q keys of block 0 (finite: some
+  request's keys, or the zeros the cache starts with), and its output is dropped before the
   logits. Rows never mix except in
   attention, where each row sees only its own context, so padding cannot change a real row.
 - Block tables are max_blocks = ceil(max_model_len / block_size) wide, so every request the model's
@@ -27,7 +31,7 @@ freezes every launch's grid and every tensor's address, and that shapes this fil
   context of max_model_len (TritonAttentionBackend's `decode_num_splits`): every context up to
   max_model_len is then split finely enough, and a short one leaves trailing splits empty.
 - The metadata's host values are frozen at capture; a captured backend reads from them only the
-  row count and that every row is one token (see triton_backend.py).
+  request count and that every request brings q tokens (see triton_backend.py).
 
 Graphs are captured at startup, after the KV cache is allocated, largest size first, into one
 shared memory pool: a smaller graph's intermediates fit in memory the larger ones already use.
@@ -56,37 +60,45 @@ logger = logging.getLogger(__name__)
 
 
 class _DecodeBuffers:
-    """The inputs of a decode batch of up to max_b rows, packed in two tensors (picture above)."""
+    """The inputs of a decode batch of up to max_b requests of up to max_q tokens each, packed in two
+    tensors (picture above)."""
 
-    def __init__(self, max_b: int, max_blocks: int, device: torch.device, pin_memory: bool = False) -> None:
-        self.max_b, self.max_blocks = max_b, max_blocks
-        self.int64 = torch.zeros(3, max_b, dtype=torch.int64, device=device, pin_memory=pin_memory)
+    def __init__(
+        self, max_b: int, max_q: int, max_blocks: int, device: torch.device, pin_memory: bool = False
+    ) -> None:
+        self.max_b, self.max_q, self.max_blocks = max_b, max_q, max_blocks
+        self.int64 = torch.zeros(3, max_b * max_q, dtype=torch.int64, device=device, pin_memory=pin_memory)
         self.int32 = torch.zeros(max_b * (1 + max_blocks), dtype=torch.int32, device=device, pin_memory=pin_memory)
-        self.input_ids, self.positions, self.slot_mapping = self.int64  # each (max_b,), a view
+        self.input_ids, self.positions, self.slot_mapping = self.int64  # each (max_b * max_q,), a view
         self.seq_lens = self.int32[:max_b]  # (max_b,)
         self.block_tables = self.int32[max_b:].view(max_b, max_blocks)
 
-    def copy_rows_(self, src: _DecodeBuffers, b: int) -> None:
-        """Copy rows 0 .. b-1 of every input from `src` (asynchronously when it is pinned)."""
-        self.int64.copy_(src.int64, non_blocking=True)  # 3 * max_b values: cheaper whole than cut
+    def copy_rows_(self, src: _DecodeBuffers, b: int, q: int) -> None:
+        """Copy the first b requests' inputs from `src` (asynchronously when it is pinned)."""
+        if q == 1:
+            self.int64.copy_(src.int64, non_blocking=True)  # 3 * max_b values: cheaper whole than cut
+        else:
+            self.int64[:, :b * q].copy_(src.int64[:, :b * q], non_blocking=True)
         used = self.max_b + b * self.max_blocks  # the seq_lens, then the first b table rows
         self.int32[:used].copy_(src.int32[:used], non_blocking=True)
 
     def fill_padding_(self) -> None:
-        """Every row padding: the state graphs are captured in (nothing stored, one key read)."""
+        """Every row padding: the state graphs are captured in (nothing stored, the first max_q keys
+        of block 0 read, so that every query token of a row sees at least one key)."""
         self.input_ids.zero_()
         self.positions.zero_()
         self.slot_mapping.fill_(-1)
-        self.seq_lens.fill_(1)
+        self.seq_lens.fill_(self.max_q)
         self.block_tables.zero_()
 
 
 class DecodeGraphRunner:
-    """Runs steps in which every request decodes one token, padded to a captured batch size.
+    """Runs steps in which every request brings the same number q of tokens (one to decode, or one
+    and the proposals it verifies), padded to a captured batch size.
 
     `prepare` pads a step into the static buffers and returns the inputs as views of them;
     `forward` replays the graph of that size (or, without one, runs the model eagerly on them) and
-    returns the hidden states of all padded rows, of which the first n are the requests'.
+    returns the hidden states of all padded rows, of which the first n*q are the requests'.
     """
 
     def __init__(
@@ -96,24 +108,30 @@ class DecodeGraphRunner:
         backend: AttentionBackend,
         batch_sizes: Sequence[int],
         max_model_len: int,
+        query_lens: Sequence[int] = (1,),
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.query_lens = tuple(sorted(set(query_lens)))
         _, _, self.block_size, num_kv_heads, _ = kv_caches[0].shape
         self.device = kv_caches[0].device
         self.max_model_len = max_model_len
-        max_b, max_blocks = self.batch_sizes[-1], -(-max_model_len // self.block_size)
+        max_b, max_q = self.batch_sizes[-1], self.query_lens[-1]
+        max_blocks = -(-max_model_len // self.block_size)
         fixed = {b: backend.for_decode_graph(b, num_kv_heads, max_model_len, self.device) for b in self.batch_sizes}
         self.capturable = all(fixed.values())
         self.backends = {b: fixed[b] or backend for b in self.batch_sizes}
         pin = self.device.type == "cuda"
-        self._hosts = [_DecodeBuffers(max_b, max_blocks, torch.device("cpu"), pin_memory=pin) for _ in range(2)]
+        self._hosts = [_DecodeBuffers(max_b, max_q, max_blocks, torch.device("cpu"), pin_memory=pin) for _ in range(2)]
         self._num_prepared = 0
-        self._static = _DecodeBuffers(max_b, max_blocks, self.device)
-        self._query_start_loc = torch.arange(max_b + 1, dtype=torch.int32, device=self.device)  # one token a row
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}  # a graph's hidden states, (b, hidden_size)
+        self._static = _DecodeBuffers(max_b, max_q, max_blocks, self.device)
+        # q tokens a request: request i's rows start at i*q.
+        self._query_start_locs = {
+            q: torch.arange(0, (max_b + 1) * q, q, dtype=torch.int32, device=self.device) for q in self.query_lens
+        }
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (batch size, query tokens a request)
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # a graph's hidden states, (b * q, hidden_size)
 
     @property
     def max_blocks(self) -> int:
@@ -129,62 +147,70 @@ class DecodeGraphRunner:
 
     # ---- the step ----
 
-    def prepare(self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]) -> ModelInputs | None:
-        """Pad one decode step (request i brings token_ids[i] at positions[i], its KV blocks in
-        block_tables[i]) into the static buffers. None when it fits no graph: more requests than
-        the largest size, or a block table wider than max_model_len needs."""
-        n = len(token_ids)
+    def prepare(
+        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], query_len: int = 1,
+    ) -> ModelInputs | None:
+        """Pad one step into the static buffers: request i brings token_ids[i*q : i*q+q] at positions
+        positions[i] .. positions[i]+q-1 (q = query_len), its KV blocks in block_tables[i]. None when
+        it fits no graph: more requests than the largest size, a q with no graphs, or a block table
+        wider than max_model_len needs."""
+        n, q = len(block_tables), query_len
         b = self.padded_size(n)
         lengths = np.fromiter(map(len, block_tables), np.int64, n)
-        if b is None or lengths.max() > self.max_blocks:
+        if b is None or q not in self.query_lens or lengths.max() > self.max_blocks:
             return None
         h = self._hosts[self._num_prepared % 2]
         self._num_prepared += 1
-        ids, pos, slots = h.int64.numpy()  # views of the pinned buffers, rows (max_b,)
+        ids, pos, slots = h.int64.numpy()  # views of the pinned buffers, rows (max_b * max_q,)
         seq_lens, tables = h.seq_lens.numpy(), h.block_tables.numpy()
-        ids[:n], ids[n:b] = token_ids, 0
-        pos[:n], pos[n:b] = positions, 0
-        seq_lens[:n], seq_lens[n:b] = pos[:n] + 1, 1
+        starts = np.asarray(positions, np.int64)
+        ids[:n * q], ids[n * q:b * q] = token_ids, 0
+        offsets = np.tile(np.arange(q), b)  # each request's tokens at its consecutive positions
+        pos[:n * q] = np.repeat(starts, q) + offsets[:n * q]
+        pos[n * q:b * q] = offsets[n * q:]
+        seq_lens[:n], seq_lens[n:b] = starts + q, q
         width = int(lengths.max())
         # Row i's first lengths[i] entries, in one vectorized assignment into a view of the buffer.
         fill_block_table(tables[:n, :width], block_tables, lengths)
         tables[n:b, 0] = 0
         bs = self.block_size
-        slots[:n], slots[n:b] = tables[np.arange(n), pos[:n] // bs].astype(np.int64) * bs + pos[:n] % bs, -1
-        self._static.copy_rows_(h, b)
-        return self._inputs(b, n, seq_lens[:b].tolist())
+        real = pos[:n * q]
+        slots[:n * q] = tables[np.repeat(np.arange(n), q), real // bs].astype(np.int64) * bs + real % bs
+        slots[n * q:b * q] = -1
+        self._static.copy_rows_(h, b, q)
+        return self._inputs(b, n, q, seq_lens[:b].tolist())
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
-        """(b, hidden_size) hidden states of a batch `prepare` padded to b rows. A graph's replay
-        reads the static buffers that `inputs` views and writes the same output tensor each time:
-        use it before the next step."""
-        b = inputs.input_ids.shape[0]
-        graph = self._graphs.get(b)
+        """(b * q, hidden_size) hidden states of a batch `prepare` padded to b requests of q tokens.
+        A graph's replay reads the static buffers that `inputs` views and writes the same output
+        tensor each time: use it before the next step."""
+        key = _graph_key(inputs)
+        graph = self._graphs.get(key)
         if graph is None:
             return self._eager(inputs)
         graph.replay()
-        return self._outputs[b]
+        return self._outputs[key]
 
-    def _inputs(self, b: int, n: int, seq_lens_cpu: list[int]) -> ModelInputs:
-        """The first b rows of the static buffers as a step's inputs, of which n are real."""
+    def _inputs(self, b: int, n: int, q: int, seq_lens_cpu: list[int]) -> ModelInputs:
+        """The first b requests (b * q rows) of the static buffers as a step's inputs, of which n are real."""
         s = self._static
         metadata = AttentionMetadata(
-            slot_mapping=s.slot_mapping[:b],
-            query_start_loc=self._query_start_loc[: b + 1],
+            slot_mapping=s.slot_mapping[:b * q],
+            query_start_loc=self._query_start_locs[q][: b + 1],
             seq_lens=s.seq_lens[:b],
             block_tables=s.block_tables[:b],
-            max_query_len=1,
+            max_query_len=q,
             max_seq_len=max(seq_lens_cpu),
-            query_start_loc_cpu=list(range(b + 1)),
+            query_start_loc_cpu=list(range(0, (b + 1) * q, q)),
             seq_lens_cpu=seq_lens_cpu,
         )
         return ModelInputs(
-            input_ids=s.input_ids[:b], positions=s.positions[:b], attn_metadata=metadata,
-            logits_indices=slice(0, n), sample_rows=list(range(n)), prompt_logprob_rows=[],
+            input_ids=s.input_ids[:b * q], positions=s.positions[:b * q], attn_metadata=metadata,
+            logits_indices=slice(0, n * q), sample_rows=list(range(n)), prompt_logprob_rows=[],
         )
 
     def _eager(self, inputs: ModelInputs) -> torch.Tensor:
-        b = inputs.input_ids.shape[0]
+        b, _ = _graph_key(inputs)
         ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backends[b])
         return self.model(inputs.input_ids, inputs.positions, ctx)
 
@@ -202,17 +228,19 @@ class DecodeGraphRunner:
         start = time.perf_counter()
         self._static.fill_padding_()
         pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.batch_sizes):
+        # Largest first (most tokens), so that the smaller graphs' intermediates fit in the pool.
+        for q, b in sorted(((q, b) for q in self.query_lens for b in self.batch_sizes),
+                           key=lambda qb: qb[0] * qb[1], reverse=True):
             # Host values as the graph will meet them: any context up to max_model_len.
-            inputs = self._inputs(b, 0, [self.max_model_len] * b)
+            inputs = self._inputs(b, 0, q, [self.max_model_len] * b)
             self._warm_up(inputs)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._outputs[b] = self._eager(inputs)
-            self._graphs[b] = graph
+                self._outputs[b, q] = self._eager(inputs)
+            self._graphs[b, q] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d decode graphs (batch sizes %s) in %.1f s",
-                    len(self._graphs), self.batch_sizes, time.perf_counter() - start)
+        logger.info("captured %d decode graphs (batch sizes %s, query tokens a request %s) in %.1f s",
+                    len(self._graphs), self.batch_sizes, self.query_lens, time.perf_counter() - start)
 
     def _warm_up(self, inputs: ModelInputs) -> None:
         # On a side stream, as torch's capture examples do: lazy initializations (cuBLAS workspaces,
@@ -222,3 +250,9 @@ class DecodeGraphRunner:
         with torch.cuda.stream(stream):
             self._eager(inputs)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+
+
+def _graph_key(inputs: ModelInputs) -> tuple[int, int]:
+    """(padded batch size, query tokens a request) of inputs that `prepare` made."""
+    metadata = inputs.attn_metadata
+    return metadata.num_reqs, metadata.max_query_len

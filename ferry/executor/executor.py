@@ -8,7 +8,7 @@ engine's block pool hands out) and the sampler, on one device or on many. Betwee
 `collect` the host is free: with asynchronous scheduling the engine schedules and launches the next
 step there, so an executor takes a second `launch` before the first step's `collect` (at most two
 steps are outstanding, collected in order). `ModelRunner` (model_runner.py) is the in-process,
-one-device executor; a multi-process or multi-GPU one provides the same four members, and the
+one-device executor; a multi-process or multi-GPU one provides the same members, and the
 engine needs no change.
 """
 
@@ -24,6 +24,11 @@ class Executor(Protocol):
     @property
     def num_kv_blocks(self) -> int:
         """KV cache blocks the executor allocated (on each device, for a sharded one)."""
+
+    @property
+    def proposes_tokens(self) -> bool:
+        """Whether the outputs carry proposed next tokens (speculative decoding): then the engine
+        collects each step before it schedules the next, which verifies them."""
 
     def launch(self, scheduler_output: SchedulerOutput) -> Any:
         """Queue one step; return a handle for `collect`."""

@@ -9,7 +9,18 @@ A step is launched, then collected. `launch` queues the forward and the sampling
 starts copying the sampled ids to the host; `collect` waits for that copy. In between, the host is
 free: with asynchronous scheduling the engine schedules and launches the next step there, and a
 token the host does not know yet (None in the step's token ids) is taken from the last step's sampled ids on
-the device. A step whose outputs need the host anyway (logprobs) is complete when launched.
+the device. A step whose outputs need the host anyway (logprobs) is complete when launched. The
+launched step remembers whose tokens it brings and where they go (a request's state and the index
+of its placeholder), so a state dropped meanwhile simply never sees them.
+
+Multi-token rows: a request may bring proposed tokens after its last one (`num_draft_tokens`). The
+step samples after every one of those positions, with the same sampling as single steps (the
+output position, hence a seeded request's random number, is that of the token sampled), and keeps
+the proposals up to the first one that differs from the token sampled there, plus that token
+(core/outputs.py has a picture). The counting happens on the device, so a verify step is launched
+and collected like any other, and its outputs equal those of single steps, token for token. An
+optional `Proposer` (spec/proposer.py) proposes each request's next tokens once a step's tokens
+are known.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -26,7 +38,7 @@ import torch
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
 from ferry.config import EngineConfig
-from ferry.core.outputs import Logprobs, ModelRunnerOutput, OwedTokens, ScheduledRequest, SchedulerOutput
+from ferry.core.outputs import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from ferry.executor.inputs import ModelInputs, fill_block_table
 from ferry.sample import SamplerOutput, SamplingRow, request_generator
 from ferry.sample.logprobs import score_tokens
@@ -35,6 +47,7 @@ from ferry.transfer import to_device
 
 if TYPE_CHECKING:
     from ferry.executor.cuda_graph import DecodeGraphRunner
+    from ferry.spec.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +58,9 @@ class _RequestState:
     prompt_token_ids: list[int]
     output_token_ids: list[int | None]  # None: sampled by a step not collected yet
     block_ids: list[int]
-    generator: torch.Generator | None
+    # A seeded request's generators: one per row it samples in a step (a verify step samples
+    # several), each seeded for the output position of its row.
+    generators: list[torch.Generator] | None
     eos_token_ids: tuple[int, ...]
 
 
@@ -54,7 +69,12 @@ class LaunchedStep:
     """A step queued on the device. `ModelRunner.collect` turns it into its ModelRunnerOutput."""
 
     request_ids: list[str]  # the requests that sample, in row order
-    token_ids: torch.Tensor | None = None  # (n,) on the host, being filled by a copy in flight
+    states: list[_RequestState] = dataclass_field(default_factory=list)  # their states, in that order
+    slots: list[int] = dataclass_field(default_factory=list)  # each one's placeholder in output_token_ids
+    # (R,) sampled ids on the host, being filled by a copy in flight; in a verify step followed by
+    # the number of proposals each request accepted (first_rows: where its rows start).
+    token_ids: torch.Tensor | None = None
+    first_rows: list[int] | None = None
     ready: torch.cuda.Event | None = None  # recorded after that copy; None: nothing to wait for
     output: ModelRunnerOutput | None = None  # set when the step was completed at launch
 
@@ -70,6 +90,7 @@ class ModelRunner:
         backend: AttentionBackend,
         sampler,
         decode_graphs: DecodeGraphRunner | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -79,18 +100,20 @@ class ModelRunner:
         self.backend = backend
         self.sampler = sampler
         self.decode_graphs = decode_graphs
+        self.proposer = proposer
         self._states: dict[str, _RequestState] = {}
         # The last launched step's sampled ids on the device, and each sampling request's row in
         # them: where the next step finds the tokens the host does not know yet.
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
-        # Tokens still in flight for requests whose state was dropped (finished or preempted): a new
-        # request may take the id before they arrive, and must not get them.
-        self._owed = OwedTokens()
 
     @property
     def num_kv_blocks(self) -> int:
         return self.kv_caches[0].shape[1]
+
+    @property
+    def proposes_tokens(self) -> bool:
+        return self.proposer is not None
 
     def shutdown(self) -> None:
         """Drop the model, the KV cache and the graphs, so that their device memory can be freed."""
@@ -135,14 +158,28 @@ class ModelRunner:
             return step.output
         if step.ready is not None:
             step.ready.synchronize()
-        token_ids = step.token_ids.tolist()
-        for request_id, token_id in zip(step.request_ids, token_ids):
-            if self._owed and self._owed.take(request_id):
-                continue  # its state was dropped while this step ran
-            out = self._states[request_id].output_token_ids
-            # The oldest unknown token is this step's (at most two are outstanding).
-            out[out.index(None, max(0, len(out) - 2))] = token_id
-        return ModelRunnerOutput(step.request_ids, token_ids)
+        values = step.token_ids.tolist()
+        if step.first_rows is None:
+            new_tokens = [[token_id] for token_id in values]
+        else:  # a verify step: each request's accepted proposals, then the token sampled after them
+            counts = values[len(values) - len(step.first_rows):]
+            new_tokens = [values[row:row + count + 1] for row, count in zip(step.first_rows, counts)]
+        for state, slot, tokens in zip(step.states, step.slots, new_tokens):
+            # Its placeholder; a state dropped while this step ran is no one's any more.
+            state.output_token_ids[slot:slot + 1] = tokens
+        return self._with_proposals(ModelRunnerOutput(step.request_ids, new_tokens), step.states)
+
+    def _with_proposals(self, output: ModelRunnerOutput, states: list[_RequestState]) -> ModelRunnerOutput:
+        """The output, with the proposer's next tokens for the requests that still run."""
+        if self.proposer is None:
+            return output
+        live = [(r, s) for r, s in zip(output.sampled_request_ids, states) if self._states.get(r) is s]
+        if live:
+            proposals = self.proposer.propose(
+                [r for r, _ in live], [s.prompt_token_ids for _, s in live], [s.output_token_ids for _, s in live]
+            )
+            output.draft_token_ids = {r: p for (r, _), p in zip(live, proposals) if p}
+        return output
 
     def _in_flight(self, scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int]]:
         """Where this step's tokens in flight go (positions in its flat input ids: each is the last
@@ -168,26 +205,22 @@ class ModelRunner:
             if item.new:
                 # (A request the scheduler resumed, or a new one that took a finished one's id.)
                 self._drop_state(item.request_id)
+                params = item.sampling_params
                 self._states[item.request_id] = _RequestState(
-                    item.sampling_params, item.prompt_token_ids, list(item.output_token_ids),
-                    list(item.new_block_ids), self._generator(item.sampling_params), item.eos_token_ids,
+                    params, item.prompt_token_ids, list(item.output_token_ids), list(item.new_block_ids),
+                    None if params.seed is None else [], item.eos_token_ids,
                 )
             elif item.new_block_ids:
                 self._states[item.request_id].block_ids.extend(item.new_block_ids)
 
     def _drop_state(self, request_id: str) -> None:
-        state = self._states.pop(request_id, None)
-        if state is not None:  # its tokens still in flight must not be credited to a later state
-            self._owed.add(request_id, state.output_token_ids[-2:].count(None))
+        self._states.pop(request_id, None)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = to_device([s for s, _ in pairs], torch.int64, self.device)
         dst = to_device([d for _, d in pairs], torch.int64, self.device)
         for kv_cache in self.kv_caches:  # (2, num_blocks, block_size, num_kv_heads, head_dim)
             kv_cache[:, dst] = kv_cache[:, src]
-
-    def _generator(self, params: SamplingParams) -> torch.Generator | None:
-        return None if params.seed is None else request_generator(params.seed, self.device)
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest], in_flight: Sequence[int] = ()) -> ModelInputs:
         """The flat batch of a step; `in_flight`: positions of tokens whose ids the device fills in."""
@@ -209,7 +242,11 @@ class ModelRunner:
 
         input_ids = _without_in_flight([t for s in scheduled for t in s.token_ids], in_flight)
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
-        logits_indices = [int(query_start_loc[i + 1]) - 1 for i in sample_rows]
+        # The last token of each request that samples, and before it the proposals it verifies.
+        logits_indices = [
+            j for i in sample_rows
+            for j in range(int(query_start_loc[i + 1]) - 1 - scheduled[i].num_draft_tokens, int(query_start_loc[i + 1]))
+        ]
         prompt_logprob_rows = []
         for i, s in enumerate(scheduled):
             if s.prompt_logprobs:
@@ -240,17 +277,22 @@ class ModelRunner:
         self, scheduled: list[ScheduledRequest], in_flight: Sequence[int] = ()
     ) -> ModelInputs | None:
         """The padded inputs of a step the decode graphs run, or None when it runs eagerly: no
-        graphs, a request that brings more than one token or asks for prompt logprobs, or more
-        requests than the largest graph."""
+        graphs, a request that brings a prefill chunk or asks for prompt logprobs, requests that
+        bring different numbers of tokens (one, or one and its proposals), a number no graph was
+        captured for, or more requests than the largest graph."""
         graphs = self.decode_graphs
         if graphs is None:
             return None
-        if not all(len(s.token_ids) == 1 and s.sample and not s.prompt_logprobs for s in scheduled):
-            return None
+        query_len = len(scheduled[0].token_ids)
+        for s in scheduled:
+            if len(s.token_ids) != query_len or s.num_draft_tokens != query_len - 1 or not s.sample \
+                    or s.prompt_logprobs:
+                return None
         return graphs.prepare(
-            _without_in_flight([s.token_ids[0] for s in scheduled], in_flight),
+            _without_in_flight([t for s in scheduled for t in s.token_ids], in_flight),
             [s.start_pos for s in scheduled],
             [self._states[s.request_id].block_ids for s in scheduled],
+            query_len,
         )
 
     def _block_table(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
@@ -264,33 +306,58 @@ class ModelRunner:
     # ---- sampling ----
 
     def sample(self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor) -> LaunchedStep:
-        num_sampled = len(inputs.sample_rows)
-        rows = [self._sampling_row(scheduled[i]) for i in inputs.sample_rows]
-        request_ids = [scheduled[i].request_id for i in inputs.sample_rows]
+        """Queue the sampling of every row of `logits` (one per request that samples, or 1 + its
+        proposals), and of a verify step the count of accepted proposals."""
+        items = [scheduled[i] for i in inputs.sample_rows]
+        states = [self._states[item.request_id] for item in items]
+        request_ids = [item.request_id for item in items]
+        drafts = [item.token_ids[len(item.token_ids) - item.num_draft_tokens:] for item in items]
+        rows = [row for state, proposed in zip(states, drafts) for row in self._sampling_rows(state, proposed)]
+        num_rows = len(rows)
         if inputs.prompt_logprob_rows or any(row.params.logprobs is not None for row in rows):
-            return LaunchedStep(request_ids, output=self._sample_on_host(scheduled, inputs, logits, rows, request_ids))
-        token_ids = self.sampler.choose(logits[:num_sampled], rows)  # (num_sampled,), on the device
-        self._remember(request_ids, token_ids)
-        for request_id in request_ids:
-            self._states[request_id].output_token_ids.append(None)  # collect() fills it in
-        if token_ids.device.type != "cuda":
-            return LaunchedStep(request_ids, token_ids)
-        host = torch.empty(num_sampled, dtype=token_ids.dtype, pin_memory=True)
-        host.copy_(token_ids, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return LaunchedStep(request_ids, host, ready)
+            output = self._sample_on_host(scheduled, inputs, logits, rows, request_ids, states, drafts)
+            return LaunchedStep(request_ids, output=self._with_proposals(output, states))
+        token_ids = self.sampler.choose(logits[:num_rows], rows)  # (num_rows,), on the device
+        first_rows = None
+        if num_rows > len(items):
+            first_rows = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]).tolist()
+            token_ids = torch.cat([token_ids, _num_accepted(token_ids, first_rows, drafts)])
+            self._last_sampled = None  # a verify step's last tokens are not at fixed rows (and nothing overlaps it)
+        else:
+            self._remember(request_ids, token_ids)
+        slots = []
+        for state in states:
+            slots.append(len(state.output_token_ids))
+            state.output_token_ids.append(None)  # collect() puts the step's tokens there
+        step = LaunchedStep(request_ids, states, slots, token_ids, first_rows)
+        if token_ids.device.type == "cuda":
+            host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            host.copy_(token_ids, non_blocking=True)
+            step.token_ids, step.ready = host, torch.cuda.Event()
+            step.ready.record()
+        return step
 
     def _sample_on_host(
         self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor, rows: list[SamplingRow],
-        request_ids: list[str],
+        request_ids: list[str], states: list[_RequestState], drafts: list[list[int]],
     ) -> ModelRunnerOutput:
         """Sample and bring everything to the host now: the step's logprobs are host lists."""
         result: SamplerOutput = self.sampler(logits[:len(rows)], rows)
-        self._remember(request_ids, to_device(result.token_ids, torch.int64, self.device))
-        for request_id, token_id in zip(request_ids, result.token_ids):
-            self._states[request_id].output_token_ids.append(token_id)
-        output = ModelRunnerOutput(request_ids, result.token_ids, _logprobs_of(result))
+        logprobs = _logprobs_of(result)
+        new_tokens, new_logprobs, row = [], [], 0
+        for state, proposed in zip(states, drafts):
+            sampled = result.token_ids[row:row + len(proposed) + 1]
+            accepted = next((j for j, (d, t) in enumerate(zip(proposed, sampled)) if d != t), len(proposed))
+            new_tokens.append(sampled[:accepted + 1])
+            if logprobs is not None:
+                new_logprobs.append(None if logprobs[row] is None else logprobs[row:row + accepted + 1])
+            state.output_token_ids.extend(new_tokens[-1])
+            row += len(proposed) + 1
+        if len(rows) == len(states):
+            self._remember(request_ids, to_device([t for t, in new_tokens], torch.int64, self.device))
+        else:
+            self._last_sampled = None
+        output = ModelRunnerOutput(request_ids, new_tokens, new_logprobs if logprobs is not None else None)
         for i, first, count in inputs.prompt_logprob_rows:
             output.prompt_logprobs[scheduled[i].request_id] = self._prompt_logprobs(
                 scheduled[i], logits[first:first + count]
@@ -301,19 +368,29 @@ class ModelRunner:
         self._last_sampled = token_ids
         self._last_rows = {request_id: i for i, request_id in enumerate(request_ids)}
 
-    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
-        state = self._states[item.request_id]
+    def _sampling_rows(self, state: _RequestState, proposed: list[int]) -> list[SamplingRow]:
+        """One row per token the request samples this step: after its last token, and after each
+        proposal, as though the proposals before it had been sampled (as single steps would)."""
         params = state.params
-        num_output = len(state.output_token_ids)
-        if state.generator is not None:
-            # The random stream is a function of (seed, output position) alone, so a seeded
-            # request samples the same tokens whatever shares its batch and however often it
-            # was preempted and recomputed.
-            state.generator.manual_seed((params.seed * 0x9E3779B97F4A7C15 + num_output) & (2**63 - 1))
-        suppress: tuple[int, ...] = ()
-        if num_output < params.min_tokens:
-            suppress = (*state.eos_token_ids, *params.stop_token_ids)
-        return SamplingRow(params, state.prompt_token_ids, state.output_token_ids, state.generator, suppress)
+        outputs = state.output_token_ids
+        rows = []
+        for j in range(len(proposed) + 1):
+            num_output = len(outputs) + j
+            generator = None
+            if state.generators is not None:
+                while len(state.generators) <= j:
+                    state.generators.append(request_generator(params.seed, self.device))
+                generator = state.generators[j]
+                # The random stream is a function of (seed, output position) alone, so a seeded
+                # request samples the same tokens whatever shares its batch, however often it was
+                # preempted and recomputed, and whether its tokens came one or several a step.
+                generator.manual_seed((params.seed * 0x9E3779B97F4A7C15 + num_output) & (2**63 - 1))
+            suppress: tuple[int, ...] = ()
+            if num_output < params.min_tokens:
+                suppress = (*state.eos_token_ids, *params.stop_token_ids)
+            history = outputs if j == 0 else [*outputs, *proposed[:j]]
+            rows.append(SamplingRow(params, state.prompt_token_ids, history, generator, suppress))
+        return rows
 
     def _prompt_logprobs(self, item: ScheduledRequest, logits: torch.Tensor) -> tuple[int, list[Logprobs]]:
         """Logprobs of the prompt tokens that follow each position of this chunk."""
@@ -338,6 +415,21 @@ def _without_in_flight(token_ids: list[int | None], in_flight: Sequence[int]) ->
     return token_ids
 
 
+def _num_accepted(token_ids: torch.Tensor, first_rows: list[int], drafts: list[list[int]]) -> torch.Tensor:
+    """(n,) how many proposals each request keeps: the run of its proposals equal to the tokens
+    sampled before them (row first_rows[i] + j samples the token that proposal j guessed). On the
+    device, so that the step needs no sync."""
+    width = max(map(len, drafts))
+    index = np.zeros((len(drafts), width), np.int64)  # rows of the sampled ids to compare with
+    proposed = np.full((len(drafts), width), -1, np.int64)  # -1 matches no token: the run ends
+    for i, (row, draft) in enumerate(zip(first_rows, drafts)):
+        index[i, :len(draft)] = range(row, row + len(draft))
+        proposed[i, :len(draft)] = draft
+    device = token_ids.device
+    equal = token_ids[to_device(index, torch.int64, device)] == to_device(proposed, torch.int64, device)
+    return equal.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
 def _logprobs_of(result: SamplerOutput) -> list[Logprobs | None] | None:
     """The sampler's logprobs per row (None for rows that did not ask), as the scheduler takes them."""
     if result.logprobs is None:
@@ -348,8 +440,9 @@ def _logprobs_of(result: SamplerOutput) -> list[Logprobs | None] | None:
     ]
 
 
-def build_model_runner(config: EngineConfig) -> ModelRunner:
-    """Load the model, size and allocate the KV cache, and pick the attention backend."""
+def build_model_runner(config: EngineConfig, proposer: Proposer | None = None) -> ModelRunner:
+    """Load the model, size and allocate the KV cache, and pick the attention backend. With a
+    proposer, the decode graphs are also captured for rows of 1 + its num_speculative_tokens."""
     from ferry.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
     from ferry.attention.selector import get_attention_backend
     from ferry.layers.linear import tune_small_batch
@@ -373,18 +466,23 @@ def build_model_runner(config: EngineConfig) -> ModelRunner:
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, config.cache.block_size,
                 num_blocks * config.cache.block_size, num_blocks * bytes_per_block / 1e9)
     backend = get_attention_backend(device, config.attention_backend)
-    decode_graphs = _decode_graphs(config, model, kv_caches, backend)
-    return ModelRunner(config, model, kv_caches, backend, Sampler(seed=config.seed, device=device), decode_graphs)
+    query_lens = (1,) if proposer is None else (1, 1 + proposer.num_speculative_tokens)
+    decode_graphs = _decode_graphs(config, model, kv_caches, backend, query_lens)
+    return ModelRunner(config, model, kv_caches, backend, Sampler(seed=config.seed, device=device), decode_graphs,
+                       proposer)
 
 
-def _decode_graphs(config: EngineConfig, model, kv_caches: list[torch.Tensor], backend) -> DecodeGraphRunner | None:
+def _decode_graphs(
+    config: EngineConfig, model, kv_caches: list[torch.Tensor], backend, query_lens: tuple[int, ...],
+) -> DecodeGraphRunner | None:
     """Unless enforce_eager: decode graphs, captured on a CUDA device (after the KV cache, whose
     addresses they record); on a CPU they run the same padded batches eagerly."""
     if config.enforce_eager:
         return None
     from ferry.executor.cuda_graph import DecodeGraphRunner
 
-    graphs = DecodeGraphRunner(model, kv_caches, backend, config.decode_graph_sizes, config.model.max_model_len)
+    graphs = DecodeGraphRunner(model, kv_caches, backend, config.decode_graph_sizes, config.model.max_model_len,
+                               query_lens)
     if kv_caches[0].device.type == "cuda":
         graphs.capture()
     return graphs
