@@ -53,11 +53,17 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params_list = _broadcast(sampling_params, len(prompts))
+        # Each distinct params checked against the model (token ids in its vocabulary) and its bad
+        # words tokenized once, not once per prompt.
+        for_model: dict[int, SamplingParams] = {}
         request_ids = []
         try:
             for prompt, params in zip(prompts, params_list):
+                if id(params) not in for_model:
+                    for_model[id(params)] = params.for_model(self.engine.config.model.vocab_size, self.tokenizer)
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, params.clone(output_kind=RequestOutputKind.FINAL_ONLY))
+                params = for_model[id(params)].clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                self.engine.add_request(request_id, prompt, params)
                 request_ids.append(request_id)
             return self._run(request_ids, use_tqdm)
         except BaseException:

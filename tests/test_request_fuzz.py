@@ -77,7 +77,7 @@ VALID_SAMPLING = {
     "seed": ints_in(-(2**63), 2**64 - 1),
     "stop": st.one_of(st.none(), st.text(min_size=1, max_size=8), st.lists(st.text(min_size=1, max_size=8), max_size=16)),
     "stream": flag,
-    "stream_options": st.fixed_dictionaries({"include_usage": flag}),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": flag, "continuous_usage_stats": flag}),
     "presence_penalty": in_range(-2, 2),
     "frequency_penalty": in_range(-2, 2),
     "repetition_penalty": in_range(0, 1.7976931348623157e308, open_low=True),
@@ -87,6 +87,11 @@ VALID_SAMPLING = {
     "include_stop_str_in_output": flag,
     "skip_special_tokens": flag,
     "cache_salt": st.text(min_size=1, max_size=8),
+    "logit_bias": st.dictionaries(token_id.map(str), in_range(-100, 100), max_size=4),
+    "allowed_token_ids": st.lists(token_id, min_size=1, max_size=5),
+    "bad_words": st.lists(st.text(min_size=1, max_size=6), max_size=3),
+    "prompt_logprobs": st.one_of(st.none(), ints_in(0, 20)),
+    "return_tokens_as_token_ids": flag,
 }
 VALID_COMPLETION = {
     **VALID_SAMPLING,

@@ -16,7 +16,7 @@ import torch
 
 from ferry.sample import Sampler, SamplerOutput, SamplingRow, request_generator
 from ferry.sample.metadata import RandomRowParams
-from ferry.sample.penalties import apply_penalties_
+from ferry.sample.penalties import apply_penalties_, bad_word_bans
 from ferry.sample.sampler import inverse_cdf
 from ferry.sample.truncation import truncation_threshold
 from ferry.sampling_params import SamplingParams
@@ -266,6 +266,123 @@ def test_suppression_comes_before_greedy_and_top_k():
         make_row(SamplingParams(top_k=1), suppress=[5]),
     ]
     assert Sampler()(logits, rows).token_ids == [2, 2]
+
+
+# --- logit bias, allowed tokens, bad words ------------------------------------------------------
+
+
+def test_logit_bias_is_added_to_the_logits():
+    logits = fixed_logits().expand(NUM_DRAWS, -1).contiguous()
+    rows = [make_row(SamplingParams(logit_bias={0: math.log(2.0), 5: -math.log(4.0)})) for _ in range(NUM_DRAWS)]
+    counts = torch.bincount(torch.tensor(Sampler()(logits, rows).token_ids), minlength=8)
+    expected = FIXED_PROBS.clone()
+    expected[0] *= 2.0
+    expected[5] /= 4.0
+    assert_distribution(counts, expected)
+
+
+def test_a_bias_of_100_decides_greedy_and_minus_100_bans():
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(2)) * 5
+    least_likely = int(logits[0].argmin())
+    most_likely = int(logits[1].argmax())
+    rows = [
+        make_row(SamplingParams(temperature=0, logit_bias={least_likely: 100})),
+        make_row(SamplingParams(temperature=0, logit_bias={most_likely: -100})),
+        make_row(SamplingParams(temperature=0)),  # a neighbour without a bias keeps its argmax
+    ]
+    token_ids = Sampler()(logits, rows).token_ids
+    assert token_ids[0] == least_likely
+    assert token_ids[1] != most_likely and token_ids[1] == int(logits[1].topk(2).indices[1])
+    assert token_ids[2] == int(logits[2].argmax())
+    banned = [make_row(SamplingParams(logit_bias={5: -100})) for _ in range(NUM_DRAWS)]
+    assert 5 not in Sampler()(fixed_logits().expand(NUM_DRAWS, -1).contiguous(), banned).token_ids
+
+
+def test_allowed_token_ids_is_the_whole_support():
+    logits = fixed_logits().expand(NUM_DRAWS, -1).contiguous()
+    rows = [make_row(SamplingParams(allowed_token_ids=[1, 3, 7, 6])) for _ in range(NUM_DRAWS)]
+    counts = torch.bincount(torch.tensor(Sampler()(logits, rows).token_ids), minlength=8)
+    assert_distribution(counts, keep(1, 3, 7))  # 6 is allowed but has probability 0
+    greedy = [make_row(SamplingParams(temperature=0, allowed_token_ids=[4, 1])),
+              make_row(SamplingParams(temperature=0))]
+    assert Sampler()(fixed_logits().expand(2, -1).contiguous(), greedy).token_ids == [1, 5]
+
+
+def test_bad_words_ban_the_token_that_would_complete_them():
+    words = [[5], [2, 0], [7, 2, 0]]
+    assert bad_word_bans(words, []) == [5]
+    assert bad_word_bans(words, [3, 2]) == [5, 0]
+    assert bad_word_bans(words, [7, 2]) == [5, 0, 0]
+    assert bad_word_bans(words, [2, 3]) == [5]
+    logits = fixed_logits().expand(3, -1).contiguous()
+    params = SamplingParams(temperature=0, bad_words_token_ids=[[5], [2, 2]])
+    rows = [make_row(params), make_row(params, prompt=[2], output=[1]), make_row(params, prompt=[1], output=[2])]
+    # 5 is always banned, so 2 is the argmax; after a 2, 2 is banned too, and 0 is next. The prompt
+    # does not count: a word is banned as the output would complete it.
+    assert Sampler()(logits, rows).token_ids == [2, 2, 0]
+
+
+def test_the_new_bans_only_touch_the_rows_that_ask():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    plain = SamplingParams(temperature=0)
+    rows = [make_row(plain), make_row(SamplingParams(temperature=0, allowed_token_ids=[7])),
+            make_row(SamplingParams(temperature=0, bad_words_token_ids=[[int(logits[2].argmax())]])), make_row(plain)]
+    token_ids = Sampler()(logits, rows).token_ids
+    assert token_ids[0] == int(logits[0].argmax()) and token_ids[3] == int(logits[3].argmax())
+    assert token_ids[1] == 7 and token_ids[2] == int(logits[2].topk(2).indices[1])
+
+
+def test_a_step_without_adjustments_copies_nothing(monkeypatch):
+    import ferry.sample.sampler as sampler_module
+
+    for name in ("apply_logit_bias_", "apply_penalties_", "apply_bans_"):
+        monkeypatch.setattr(sampler_module, name, lambda *_: pytest.fail("an adjustment nobody asked for ran"))
+    rows = [make_row(SamplingParams(temperature=0)), make_row(SamplingParams(top_k=3))]
+    Sampler()(torch.randn(2, 50), rows)
+
+
+WORD_IDS = {"bad": 1, " bad": 2, "very": 3, " very": 4, "\n": 5}
+
+
+def test_bad_words_tokenize_with_and_without_a_leading_space():
+    class Words:  # a tokenizer of whole words, a leading space part of the word
+        def encode(self, text, add_special_tokens=True):
+            return [WORD_IDS[w] for w in text.replace(" ", "| ").split("|") if w]
+
+    params = SamplingParams(bad_words=["bad", " very bad", "\n"]).for_model(10, Words())
+    assert params.bad_words_token_ids == [[1], [2], [3, 2], [4, 2], [5]]
+    assert params.for_model(10, Words()) == params  # again: nothing changes
+    assert params.uses_penalties  # a word of two tokens reads the output: steps do not overlap
+    assert not SamplingParams(bad_words_token_ids=[[1], [2]]).uses_penalties
+    with pytest.raises(ValueError, match="^bad_words has token id 5"):
+        SamplingParams(bad_words=["\n"]).for_model(5, Words())
+    with pytest.raises(ValueError, match="^bad_words need the model's tokenizer"):
+        SamplingParams(bad_words=["bad"]).for_model(10)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("logit_bias", {"7": 101}, r"^logit_bias values must be in \[-100, 100\], got 101 for token 7"),
+    ("logit_bias", {"x": 1}, "^logit_bias keys must be token ids"),
+    ("logit_bias", {-1: 1}, "^logit_bias keys must be token ids"),
+    ("logit_bias", {1: float("nan")}, "^logit_bias values"),
+    ("logit_bias", {True: 1}, "^logit_bias keys"),
+    ("allowed_token_ids", [], "^allowed_token_ids must be a non-empty list"),
+    ("allowed_token_ids", [1, -2], "^allowed_token_ids must be token ids"),
+    ("bad_words", [""], "^bad_words must be a list of non-empty strings"),
+    ("bad_words_token_ids", [[]], "^bad_words_token_ids must be"),
+])
+def test_token_fields_are_checked_on_construction(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})
+
+
+def test_token_fields_are_checked_against_the_vocabulary():
+    assert SamplingParams(logit_bias={"3": 5}).logit_bias == {3: 5}  # JSON's string keys
+    assert SamplingParams(allowed_token_ids=[4, 2, 4]).allowed_token_ids == [4, 2]
+    for field, value in (("logit_bias", {9: 1.0}), ("allowed_token_ids", [1, 9]), ("bad_words_token_ids", [[1, 9]])):
+        SamplingParams(**{field: value}).for_model(10)
+        with pytest.raises(ValueError, match=f"^{field} has token id 9, out of vocabulary"):
+            SamplingParams(**{field: value}).for_model(9)
 
 
 # --- mixed batches and reproducibility ----------------------------------------------------------

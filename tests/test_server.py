@@ -326,6 +326,10 @@ def test_seeds(client):
 
 def test_small_routes(client, http, server):
     assert [m.id for m in client.models.list()] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("not-served")
+    assert httpx.get(server.url + "/ping").status_code == 200  # vLLM's /health, public like it
     assert httpx.get(server.url + "/version").json()["version"]
     tokens = http.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == MAX_MODEL_LEN
@@ -337,6 +341,8 @@ def test_small_routes(client, http, server):
                  "ferry:prompt_tokens_total", "ferry:generation_tokens_total"):
         assert name in values
     assert values["ferry:generation_tokens_total"] > 0
+    samples = [s for f in text_string_to_metric_families(http.get("/metrics").text) for s in f.samples]
+    assert all(s.labels["model_name"] == "tiny" for s in samples if s.name.startswith("ferry:"))
 
 
 def test_unknown_fields_are_ignored(http):
@@ -477,7 +483,7 @@ def test_api_key_sweep(server):
     assert ("/v1/completions", "POST") in routes and ("/metrics", "GET") in routes
     routes.append(("/no/such/route", "GET"))
     for path, method in routes:
-        public = path in ("/health", "/version")
+        public = path in ("/health", "/ping", "/version")
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                         {"Authorization": f"Basic {API_KEY}"}):
             response = httpx.request(method, server.url + path, headers=headers, json={}, timeout=30)
@@ -576,7 +582,7 @@ def test_backpressure_and_sigterm_drain(spare_server):
                 return [json.loads(line[6:]) for line in lines]
 
             inflight = [asyncio.create_task(stream_all()) for _ in range(2)]
-            while (await c.get("/metrics")).text.count("ferry:num_requests_running 2.0") == 0:
+            while metric_values_of(await c.get("/metrics"))["ferry:num_requests_running"] != 2:
                 await asyncio.sleep(0.02)
             full = await c.post("/v1/completions", json={"prompt": "Hi"})
             assert full.status_code == 429 and int(full.headers["Retry-After"]) >= 1

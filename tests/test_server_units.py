@@ -213,37 +213,49 @@ def test_api_key_middleware():
 
 @pytest.mark.parametrize("text", ["", "hello", 'quote " and \\ backslash', "line\nbreak\ttab\x01\x1f", "héllo 😀 中文"])
 @pytest.mark.parametrize("finish_reason,stop_reason", [(None, None), ("stop", "</s>"), ("stop", 7), ("length", None)])
-@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("include_usage", [False, True, "continuous"])
 def test_text_delta_json_is_the_pydantic_chunk_byte_for_byte(text, finish_reason, stop_reason, include_usage):
     """The hand-written JSON of a streamed completion delta equals what pydantic writes for the same
-    CompletionResponse, so clients cannot tell them apart."""
+    CompletionResponse, so clients cannot tell them apart (also with the usage so far in it)."""
     from ferry.server.protocol import CompletionChoice, CompletionResponse, TextDelta, stream_head
 
     request_id, created, model = 'cmpl-"odd\\id', 1796032826, "models/qwen3 ü"
-    delta = TextDelta(stream_head(request_id, created, model), 3, text, finish_reason, stop_reason)
+    usage = _usage_so_far() if include_usage == "continuous" else None
+    delta = TextDelta(stream_head(request_id, created, model), 3, text, finish_reason, stop_reason, usage=usage)
     response = CompletionResponse(
-        id=request_id, created=created, model=model,
+        id=request_id, created=created, model=model, usage=usage,
         choices=[CompletionChoice(index=3, text=text, logprobs=None, finish_reason=finish_reason,
                                   stop_reason=stop_reason)],
     )
-    assert delta.json(include_usage) == response.model_dump_json(exclude=None if include_usage else {"usage"}).encode()
+    assert delta.json(bool(include_usage)) == \
+        response.model_dump_json(exclude=None if include_usage else {"usage"}).encode()
     assert delta.choice() == response.choices[0]
+
+
+def _usage_so_far():
+    from ferry.server.protocol import PromptTokensDetails, UsageInfo
+
+    return UsageInfo(prompt_tokens=5, completion_tokens=2, total_tokens=7,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=4))
 
 
 
 @pytest.mark.parametrize("text", ["", "hello", 'quote " and \\ backslash', "line\nbreak\x01", "héllo 😀 中文"])
 @pytest.mark.parametrize("finish_reason,stop_reason", [(None, None), ("stop", "</s>"), ("stop", 7), ("length", None)])
-@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("include_usage", [False, True, "continuous"])
 def test_chat_text_delta_json_is_the_pydantic_chunk_byte_for_byte(text, finish_reason, stop_reason, include_usage):
     """The same for a chat stream's content delta ({} for no text, as the model's serializer drops Nones)."""
     from ferry.server.protocol import ChatCompletionChunk, ChatCompletionStreamChoice, DeltaMessage, TextDelta, stream_head
 
     request_id, created, model = "chatcmpl-1", 1796032826, "ferry-default"
-    delta = TextDelta(stream_head(request_id, created, model, chat=True), 0, text, finish_reason, stop_reason, chat=True)
+    usage = _usage_so_far() if include_usage == "continuous" else None
+    delta = TextDelta(stream_head(request_id, created, model, chat=True), 0, text, finish_reason, stop_reason, chat=True,
+                      usage=usage)
     chunk = ChatCompletionChunk(
-        id=request_id, created=created, model=model,
+        id=request_id, created=created, model=model, usage=usage,
         choices=[ChatCompletionStreamChoice(index=0, delta=DeltaMessage(content=text or None), logprobs=None,
                                             finish_reason=finish_reason, stop_reason=stop_reason)],
     )
-    assert delta.json(include_usage) == chunk.model_dump_json(exclude=None if include_usage else {"usage"}).encode()
+    assert delta.json(bool(include_usage)) == \
+        chunk.model_dump_json(exclude=None if include_usage else {"usage"}).encode()
     assert delta.choice() == chunk.choices[0]

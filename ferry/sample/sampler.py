@@ -2,10 +2,10 @@
 
 Per row, in vLLM / Hugging Face order:
 
-    raw logits ─► penalties ─► bans (-inf) ─┬─► greedy rows: argmax
-                                            └─► others: / temperature ─► softmax ─► top-k
-                                                ─► top-p ─► min-p (truncation.py)
-                                                ─► inverse CDF at one uniform number
+    raw logits ─► logit bias ─► penalties ─► bans (-inf) ─┬─► greedy rows: argmax
+                                                          └─► others: / temperature ─► softmax
+                                                              ─► top-k ─► top-p ─► min-p (truncation.py)
+                                                              ─► inverse CDF at one uniform number
     raw logits ─► log_softmax ─► logprobs, ranks, top logprobs (rows that ask)
 
 Every step is one tensor op over the rows that need it; Python loops only over rows to gather
@@ -26,7 +26,7 @@ import torch
 
 from ferry.sample.logprobs import compute_logprobs
 from ferry.sample.metadata import RandomRowParams, SamplingRow
-from ferry.sample.penalties import apply_penalties_, apply_suppression_, needs_adjusting
+from ferry.sample.penalties import apply_bans_, apply_logit_bias_, apply_penalties_, needs_adjusting
 from ferry.sample.truncation import truncation_threshold
 from ferry.transfer import to_device
 
@@ -71,7 +71,8 @@ class Sampler:
         if needs_adjusting(rows):
             # A penalty at the edge of float64 (a repetition_penalty that is 0 or inf in float32)
             # can make a logit inf or NaN; `finite` keeps the order of the rest.
-            logits = apply_suppression_(finite_(apply_penalties_(logits.clone(), rows)), rows)
+            adjusted = apply_penalties_(apply_logit_bias_(logits.clone(), rows), rows)
+            logits = apply_bans_(finite_(adjusted), rows)
         sampled = [i for i, row in enumerate(rows) if not row.greedy]
         if not sampled:
             return logits.argmax(dim=-1)

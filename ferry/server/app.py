@@ -59,7 +59,8 @@ class ServerState:
     def __init__(self, config: ServerConfig, on_fatal: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.admission = Admission(config.max_pending_requests, config.max_queue_wait_s)
-        self.metrics = ServerMetrics(lambda: self.engine.stats if self.engine is not None else EngineStats(),
+        self.metrics = ServerMetrics(config.served_model_name,
+                                     lambda: self.engine.stats if self.engine is not None else EngineStats(),
                                      lambda: self.engine.num_restarts if self.engine is not None else 0)
         self.traces = TraceLog(Path(config.trace_dir)) if config.trace_dir is not None else None
         self.engine: AsyncEngine | None = None
@@ -113,8 +114,9 @@ class ServerState:
         self.ready_engine()
         ticket = self.admission.admit(plan.num_engine_requests)
         if body.stream:
-            include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return EventStreamResponse(sse_events(serving.chunks(plan, include_usage), include_usage), ticket.release)
+            include_usage, continuous = body.stream_options.usage if body.stream_options is not None else (False, False)
+            chunks = serving.chunks(plan, include_usage, continuous)
+            return EventStreamResponse(sse_events(chunks, include_usage), ticket.release)
         with ticket:
             try:
                 reply = await until_disconnected(request, serving.reply(plan))
@@ -173,7 +175,7 @@ def build_app(
     app.add_api_route("/openapi.json", openapi_route, methods=["GET", "HEAD"])
 
     async def on_api_error(request: Request, error: ApiError) -> JSONResponse:
-        state.metrics.requests_rejected.labels(str(error.status)).inc()
+        state.metrics.rejected(error.status)
         return error_response(error)
 
     app.add_exception_handler(ApiError, on_api_error)
@@ -218,10 +220,19 @@ async def traces(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
+    return Response(ModelList(data=[_model_card(_state(request))]).model_dump_json(), media_type="application/json")
+
+
+async def model(request: Request) -> Response:
+    """GET /v1/models/{model}: the model object, or 404 for a name this server does not serve."""
     state = _state(request)
-    card = ModelCard(id=state.config.served_model_name, created=state.started,
+    check_model(request.path_params["model"], state.config)
+    return Response(_model_card(state).model_dump_json(), media_type="application/json")
+
+
+def _model_card(state: ServerState) -> ModelCard:
+    return ModelCard(id=state.config.served_model_name, created=state.started,
                      max_model_len=state.ready_engine().info.max_model_len)
-    return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
 
 
 async def _body(request: Request, model: type[M]) -> M:
@@ -273,10 +284,13 @@ async def openapi_route(request: Request) -> Response:
 
 ROUTES = [
     ("/health", "GET", health),
+    ("/ping", "GET", health),  # vLLM's and SageMaker's name for /health
+    ("/ping", "POST", health),
     ("/version", "GET", version),
     ("/metrics", "GET", metrics),
     ("/v1/traces", "GET", traces),
     ("/v1/models", "GET", models),
+    ("/v1/models/{model:path}", "GET", model),  # a served name may hold slashes ("org/model")
     ("/v1/completions", "POST", completions),
     ("/v1/chat/completions", "POST", chat_completions),
     ("/tokenize", "POST", tokenize),

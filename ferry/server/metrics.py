@@ -12,8 +12,9 @@ metrics/latency.py for the definitions):
     ferry:request_queue_time_seconds     engine arrival -> first scheduled (the engine's clock)
 
 An engine request is one prompt with its n completions: a completions call with a list of P
-prompts counts P times. Every metric lives in this server's own registry, not prometheus_client's
-global one.
+prompts counts P times. Every metric carries a `model_name` label, the served model's name (as
+vLLM's do), so that dashboards built for vLLM select ferry's series too. Every metric lives in this
+server's own registry, not prometheus_client's global one.
 """
 
 from __future__ import annotations
@@ -38,54 +39,70 @@ _REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.
 
 
 class _EngineCollector:
-    def __init__(self, stats: Callable[[], EngineStats], restarts: Callable[[], int]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], restarts: Callable[[], int]) -> None:
+        self._model_name = model_name
         self._stats = stats
         self._restarts = restarts
 
     def collect(self) -> Iterator[Metric]:
-        yield CounterMetricFamily("ferry:engine_restarts", "Engine processes started after one died.",
-                                  self._restarts())
         s = self._stats()
-        yield GaugeMetricFamily("ferry:num_requests_running", "Sequences in the running batch.", s.num_running)
-        yield GaugeMetricFamily("ferry:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
-        yield GaugeMetricFamily("ferry:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
-                                s.kv_cache_usage)
-        yield CounterMetricFamily("ferry:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total)
-        yield CounterMetricFamily("ferry:generation_tokens", "Tokens generated.", s.generation_tokens_total)
-        yield CounterMetricFamily("ferry:num_preemptions", "Preemptions by recompute.", s.num_preemptions_total)
-        yield CounterMetricFamily("ferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  s.prefix_cache_queries_total)
-        yield CounterMetricFamily("ferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                  s.prefix_cache_hits_total)
+        families = [
+            (CounterMetricFamily, "ferry:engine_restarts", "Engine processes started after one died.",
+             self._restarts()),
+            (GaugeMetricFamily, "ferry:num_requests_running", "Sequences in the running batch.", s.num_running),
+            (GaugeMetricFamily, "ferry:num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting),
+            (GaugeMetricFamily, "ferry:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).",
+             s.kv_cache_usage),
+            (CounterMetricFamily, "ferry:prompt_tokens", "Prompt tokens admitted.", s.prompt_tokens_total),
+            (CounterMetricFamily, "ferry:generation_tokens", "Tokens generated.", s.generation_tokens_total),
+            (CounterMetricFamily, "ferry:num_preemptions", "Preemptions by recompute.", s.num_preemptions_total),
+            (CounterMetricFamily, "ferry:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             s.prefix_cache_queries_total),
+            (CounterMetricFamily, "ferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+             s.prefix_cache_hits_total),
+        ]
+        for family, name, documentation, value in families:
+            metric = family(name, documentation, labels=["model_name"])
+            metric.add_metric([self._model_name], value)
+            yield metric
 
 
 class ServerMetrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats], engine_restarts: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self, model_name: str, engine_stats: Callable[[], EngineStats], engine_restarts: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine_stats, engine_restarts))
-        self.request_success = Counter(
-            "ferry:request_success", "Completions finished, by finish reason.", ["finished_reason"],
+        self.registry.register(_EngineCollector(model_name, engine_stats, engine_restarts))
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]):
+            """The series of this server's model (the only one it has)."""
+            return Histogram(name, documentation, ["model_name"], buckets=buckets, registry=self.registry) \
+                .labels(model_name)
+
+        self._model_name = model_name
+        self._request_success = Counter(
+            "ferry:request_success", "Completions finished, by finish reason.", ["model_name", "finished_reason"],
             registry=self.registry,
         )
-        self.requests_rejected = Counter(
-            "ferry:requests_rejected", "HTTP requests refused before reaching the engine, by status.", ["status"],
-            registry=self.registry,
+        self._requests_rejected = Counter(
+            "ferry:requests_rejected", "HTTP requests refused before reaching the engine, by status.",
+            ["model_name", "status"], registry=self.registry,
         )
-        self.time_to_first_token = Histogram(
+        self.time_to_first_token = histogram(
             "ferry:time_to_first_token_seconds", "From the server's arrival of a request to its first token.",
-            buckets=_TTFT_BUCKETS, registry=self.registry,
+            _TTFT_BUCKETS,
         )
-        self.inter_token_latency = Histogram(
+        self.inter_token_latency = histogram(
             "ferry:inter_token_latency_seconds", "Time between successive output deltas (chunks) of a completion.",
-            buckets=_ITL_BUCKETS, registry=self.registry,
+            _ITL_BUCKETS,
         )
-        self.e2e_latency = Histogram(
+        self.e2e_latency = histogram(
             "ferry:e2e_request_latency_seconds", "From the server's arrival of a request to its last token.",
-            buckets=_REQUEST_BUCKETS, registry=self.registry,
+            _REQUEST_BUCKETS,
         )
-        self.queue_time = Histogram(
+        self.queue_time = histogram(
             "ferry:request_queue_time_seconds", "From the engine's arrival of a request to its first schedule.",
-            buckets=_REQUEST_BUCKETS, registry=self.registry,
+            _REQUEST_BUCKETS,
         )
 
     def render(self) -> bytes:
@@ -104,4 +121,8 @@ class ServerMetrics:
     def finished(self, finish_reasons: Iterable[str]) -> None:
         """One HTTP request is over: how each of its completions ended."""
         for reason in finish_reasons:
-            self.request_success.labels(reason).inc()
+            self._request_success.labels(self._model_name, reason).inc()
+
+    def rejected(self, status: int) -> None:
+        """An HTTP request was refused before it reached the engine."""
+        self._requests_rejected.labels(self._model_name, str(status)).inc()

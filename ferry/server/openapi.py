@@ -19,7 +19,7 @@ from pydantic.json_schema import models_json_schema
 from ferry import __version__
 from ferry.server.protocol import (
     ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse, DetokenizeRequest,
-    DetokenizeResponse, ModelList, TokenizeRequest, TokenizeResponse,
+    DetokenizeResponse, ModelCard, ModelList, TokenizeRequest, TokenizeResponse,
 )
 
 _REF = "#/components/schemas/{model}"
@@ -53,7 +53,7 @@ def openapi_json() -> bytes:
         (CompletionRequest, "validation"), (ChatCompletionRequest, "validation"), (TokenizeRequest, "validation"),
         (DetokenizeRequest, "validation"), (CompletionResponse, "serialization"),
         (ChatCompletionResponse, "serialization"), (TokenizeResponse, "serialization"),
-        (DetokenizeResponse, "serialization"), (ModelList, "serialization"),
+        (DetokenizeResponse, "serialization"), (ModelList, "serialization"), (ModelCard, "serialization"),
     ]
     refs, top = models_json_schema(models, ref_template=_REF)
     schemas = {**top.get("$defs", {}), "ErrorResponse": _ERROR_SCHEMA}
@@ -83,7 +83,11 @@ def openapi_json() -> bytes:
         "/tokenize": post(TokenizeRequest, TokenizeResponse, "Text or messages to token ids"),
         "/detokenize": post(DetokenizeRequest, DetokenizeResponse, "Token ids to text"),
         "/v1/models": get("The served model", {"application/json": {"schema": ref(ModelList, "serialization")}}),
+        "/v1/models/{model}": _with_model_parameter(get(
+            "The served model by name", {"application/json": {"schema": ref(ModelCard, "serialization")}}, 404)),
         "/health": get("200 when requests can be served", None),
+        "/ping": {**get("200 when requests can be served (as /health)", None),
+                  "post": get("200 when requests can be served (as /health)", None)["get"]},
         "/version": get("The server's version", {"application/json": {"schema": {
             "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}}}),
         "/metrics": get("Prometheus metrics", {"text/plain": {"schema": {"type": "string"}}}),
@@ -97,6 +101,11 @@ def openapi_json() -> bytes:
         "components": {"schemas": schemas},
     }
     return json.dumps(document).encode()
+
+
+def _with_model_parameter(path: dict) -> dict:
+    path["get"]["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    return path
 
 
 def _errors(*statuses: int) -> dict:

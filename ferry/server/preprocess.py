@@ -25,12 +25,15 @@ from ferry.tokenizer.tokenizer import PromptTooLong
 
 _PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))
 M = TypeVar("M", bound=BaseModel)
+# vLLM's bound: each bad word costs a look at the output's tail per row and step.
+MAX_BAD_WORDS = 128
 
 
 @dataclass(frozen=True)
 class EnginePrompt:
     token_ids: list[int]
     text: str | None  # the text the ids came from, when the client sent text
+    text_offsets: list[int] | None = None  # where each token begins in `text`, when asked for
 
 
 # ---- the body ----
@@ -151,24 +154,36 @@ def check_model(model: str | None, config: ServerConfig) -> None:
                        "model", "model_not_found")
 
 
-def completion_prompts(prompt: Prompt, engine: AsyncEngine) -> list[EnginePrompt]:
-    """The prompts of a completion request (a text, texts, token ids or lists of token ids)."""
+def completion_prompts(
+    prompt: Prompt, engine: AsyncEngine, add_special_tokens: bool = True, with_offsets: bool = False,
+) -> list[EnginePrompt]:
+    """The prompts of a completion request (a text, texts, token ids or lists of token ids); a text
+    encoded with the special tokens the tokenizer adds (add_special_tokens), and with_offsets, where
+    each of its tokens begins in it."""
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         items: list = [prompt]
     else:
         items = list(prompt)
     if not items:
         raise bad_request("prompt is empty", "prompt")
-    return [_engine_prompt(item, engine) for item in items]
+    return [_engine_prompt(item, engine, add_special_tokens, with_offsets) for item in items]
 
 
-def _engine_prompt(item: str | list[int], engine: AsyncEngine) -> EnginePrompt:
+def _engine_prompt(item: str | list[int], engine: AsyncEngine, add_special_tokens: bool,
+                   with_offsets: bool) -> EnginePrompt:
     if isinstance(item, str):
         if not item:
             raise bad_request("prompt is empty", "prompt")
         tokenizer = _tokenizer(engine, "prompt")
         check_text_length(item, tokenizer, engine, "prompt")
-        return EnginePrompt(tokenizer.encode(item), item)
+        offsets = None
+        if with_offsets:
+            token_ids, offsets = tokenizer.encode_with_offsets(item, add_special_tokens)
+        else:
+            token_ids = tokenizer.encode(item, add_special_tokens)
+        if not token_ids:
+            raise bad_request("the prompt encodes to no tokens", "prompt")
+        return EnginePrompt(token_ids, item, offsets)
     if not item:
         raise bad_request("prompt is empty", "prompt")
     check_token_ids(item, engine, "prompt")
@@ -271,12 +286,31 @@ def check_fan_out(num_prompts: int, n: int, config: ServerConfig) -> None:
 # ---- sampling ----
 
 
+def refuse_unsupported(request: SamplingFields) -> None:
+    """400 naming the first field of the request's UNSUPPORTED that asks for something: anything
+    but null, its default, or an empty list or object."""
+    for name, why in request.UNSUPPORTED.items():
+        value = getattr(request, name)
+        if value is None or value == type(request).model_fields[name].default or value in ([], {}):
+            continue
+        raise bad_request(f"{name} is not supported: {why}", name, "unsupported_parameter")
+
+
 def sampling_params(
     request: SamplingFields, config: ServerConfig, engine: AsyncEngine, max_tokens: int | None,
     logprobs: int | None = None, prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    if request.stream_options is not None and request.stream_options.usage == (False, True):
+        raise bad_request("stream_options.continuous_usage_stats needs include_usage", "stream_options")
+    if request.best_of is not None and request.best_of != request.n:
+        why = "must be >= n" if request.best_of < request.n else \
+            "> n is not supported: ferry returns every completion it generates (vLLM V1 dropped best_of too)"
+        raise bad_request(f"best_of {why}, got best_of={request.best_of}, n={request.n}", "best_of")
+    if request.bad_words is not None and len(request.bad_words) > MAX_BAD_WORDS:
+        raise bad_request(f"bad_words has {len(request.bad_words)} words; at most {MAX_BAD_WORDS} are allowed",
+                          "bad_words")
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if len(stop) > config.max_stop_strings:
         raise bad_request(f"stop has {len(stop)} strings; at most {config.max_stop_strings} are allowed", "stop")
@@ -290,12 +324,13 @@ def sampling_params(
         "include_stop_str_in_output": request.include_stop_str_in_output, "logprobs": logprobs,
         "prompt_logprobs": prompt_logprobs, "presence_penalty": request.presence_penalty,
         "frequency_penalty": request.frequency_penalty, "repetition_penalty": request.repetition_penalty,
-        "skip_special_tokens": request.skip_special_tokens,
+        "skip_special_tokens": request.skip_special_tokens, "logit_bias": request.logit_bias,
+        "allowed_token_ids": request.allowed_token_ids, "bad_words": request.bad_words,
     }
     # None means "not given": SamplingParams' default applies (max_tokens=None is meaningful).
     kwargs = {k: v for k, v in given.items() if v is not None or k in ("max_tokens", "logprobs", "prompt_logprobs")}
     try:
-        return SamplingParams(**kwargs)
+        return SamplingParams(**kwargs).for_model(engine.info.vocab_size, engine.tokenizer)
     except ValueError as e:
         name = str(e).split(" ", 1)[0]
         raise bad_request(str(e), name if name in _PARAM_NAMES else None) from None

@@ -1,28 +1,43 @@
 """The HTTP API's shapes, as OpenAI defines them (plus vLLM's sampling extras).
 
-Requests ignore fields they do not know, so clients written for newer OpenAI APIs still work.
-Integer fields are strict (`true` or `"5"` is not a count); value ranges are OpenAI's, so a bad
-value gets a 400 naming its field before anything reaches the engine.
+Requests ignore fields they do not know, so clients written for newer OpenAI APIs still work. A
+field they know does what OpenAI's or vLLM's documentation says, or is refused: the fields of those
+APIs that ferry does not implement are declared too, and listed in the request's `UNSUPPORTED`,
+where any value but their default is a 400 naming them (`preprocess.refuse_unsupported`), never a
+request served as though it had not been said. Every field is strict (`true` or `"5"` is not a
+count, `"yes"` is not a boolean); value ranges are OpenAI's, so a bad value gets a 400 naming its
+field before anything reaches the engine.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from json.encoder import encode_basestring  # JSON string syntax, non-ASCII kept as is (as pydantic writes it)
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_serializer
 
 Int = Annotated[int, Strict()]
 Seed = Annotated[int, Strict(), Field(ge=-(2**63), le=2**64 - 1)]
+TokenId = Annotated[int, Strict(), Field(ge=0)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
+    # Fields of OpenAI's or vLLM's API that ferry does not implement -> why: any value but the
+    # field's default, null, or an empty list or object is a 400 naming it.
+    UNSUPPORTED: ClassVar[dict[str, str]] = {}
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: bool | None = None  # None: as continuous_usage_stats (vLLM's default is true)
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
+
+    @property
+    def usage(self) -> tuple[bool, bool]:
+        """(a usage chunk at the end, usage in every chunk)."""
+        include = self.continuous_usage_stats if self.include_usage is None else self.include_usage
+        return include, self.continuous_usage_stats
 
 
 class SamplingFields(_Request):
@@ -48,6 +63,39 @@ class SamplingFields(_Request):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, min_length=1)  # prefix-cache isolation between tenants
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> bias
+    allowed_token_ids: list[TokenId] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: Int | None = Field(None, ge=0, le=20)
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
+    best_of: Int | None = Field(None, ge=1)  # only = n: ferry returns every completion it generates
+    # They ask nothing of a server that serves the request (OpenAI monitors abuse and routes caches
+    # with them): accepted, and nothing is done with them.
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # Known, not implemented: see UNSUPPORTED.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: Int | None = None
+    priority: Int = 0
+    request_id: str | None = None
+    logits_processors: list[Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        "use_beam_search": "ferry does not do beam search",
+        "length_penalty": "only beam search uses it, and ferry does not do beam search",
+        "spaces_between_special_tokens": "ferry decodes special tokens as the tokenizer writes them",
+        "truncate_prompt_tokens": "ferry does not truncate prompts: send the tokens you want the model to read",
+        "priority": "ferry schedules requests first come, first served",
+        "request_id": "ferry names its requests itself",
+        "logits_processors": "ferry runs no user code in its sampler",
+        "vllm_xargs": "ferry has no request extensions",
+        "kv_transfer_params": "ferry does not transfer KV caches between servers",
+    }
 
 
 # A prompt: text, texts, token ids, or lists of token ids.
@@ -59,6 +107,15 @@ class CompletionRequest(SamplingFields):
     max_tokens: Int | None = Field(16, ge=0)  # 0 only with echo: score the prompt, generate nothing
     echo: bool = False
     logprobs: Int | None = Field(None, ge=0, le=20)
+    add_special_tokens: bool = True  # vLLM's: a text prompt is encoded with BOS (as the tokenizer adds it)
+    suffix: str | None = None
+    prompt_embeds: Any = None
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        **SamplingFields.UNSUPPORTED,
+        "suffix": "ferry does not insert text before a suffix",
+        "prompt_embeds": "ferry takes prompts as text or token ids",
+    }
 
 
 class ContentPart(_Request):
@@ -83,6 +140,40 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None  # OpenAI's tags for stored completions: nothing to do here
+    service_tier: Literal["auto", "default"] | None = None  # ferry has one tier
+    modalities: list[Literal["text"]] | None = None  # ferry writes text only
+    # Known, not implemented: see UNSUPPORTED.
+    echo: bool = False
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[Any] | None = None
+    chat_template: str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    include_reasoning: bool = True
+    store: bool | None = False
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, str]] = {
+        **SamplingFields.UNSUPPORTED,
+        "echo": "ferry does not echo the last message in chat replies",
+        "continue_final_message": "ferry always starts a new assistant message",
+        "add_special_tokens": "the chat template writes the special tokens",
+        "documents": "ferry does not pass documents to the chat template",
+        "chat_template": "ferry renders the model's own chat template (a template is code the server runs)",
+        "mm_processor_kwargs": "ferry serves text models",
+        "reasoning_effort": "ferry has no reasoning controls",
+        "include_reasoning": "ferry does not parse reasoning out of the reply: it is in the content",
+        "store": "ferry stores no completions",
+        "audio": "ferry writes text only",
+        "prediction": "ferry does not take predicted outputs",
+        "web_search_options": "ferry does not search the web",
+        "verbosity": "ferry has no verbosity control",
+    }
 
 
 class TokenizeRequest(_Request):
@@ -121,12 +212,31 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's form of one token's logprob in `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token, the token and the top alternatives by id; None for the
+# first token, which nothing predicts. Only there when asked for (prompt_logprobs).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+def _only_when_asked() -> Any:
+    """A field that is left out of the JSON while it is None."""
+    return Field(None, exclude_if=lambda value: value is None)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None
     finish_reason: str | None
     stop_reason: int | str | None = None  # vLLM's: the stop string or token id that ended it
+    prompt_logprobs: PromptLogprobs | None = _only_when_asked()
 
 
 class CompletionResponse(BaseModel):
@@ -151,17 +261,21 @@ class TextDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     chat: bool = False  # a chat delta ({"content": ...}), else a completion's "text"
+    usage: UsageInfo | None = None  # the usage so far (stream_options.continuous_usage_stats)
 
     def json(self, include_usage: bool) -> bytes:
         if self.chat:  # a delta carries only what changed: no content key for no text
             body = b',"delta":{"content":' + _json_str(self.text) + b"}" if self.text else b',"delta":{}'
         else:
             body = b',"text":' + _json_str(self.text)
+        if not include_usage:
+            tail = b"}]}"
+        else:
+            tail = b'}],"usage":' + (b"null" if self.usage is None else self.usage.model_dump_json().encode()) + b"}"
         return b"".join((
             self.head, str(self.index).encode(), body,
             b',"logprobs":null,"finish_reason":', _json_value(self.finish_reason),
-            b',"stop_reason":', _json_value(self.stop_reason),
-            b'}],"usage":null}' if include_usage else b"}]}",
+            b',"stop_reason":', _json_value(self.stop_reason), tail,
         ))
 
     def choice(self) -> CompletionChoice | ChatCompletionStreamChoice:
@@ -229,6 +343,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = _only_when_asked()  # in one chunk, with no choices
 
 
 class ChatMessageOut(BaseModel):
@@ -251,6 +366,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobs | None = _only_when_asked()
 
 
 class ModelCard(BaseModel):

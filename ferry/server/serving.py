@@ -2,7 +2,7 @@
 folds them into the plain reply.
 
     plan(request)            the checks and the prompt (in a worker thread: templates, tokenizing)
-    chunks(plan)             the one code path: SSE events for stream=true ...
+    chunks(plan, usage)      the one code path: SSE events for stream=true ...
     reply(plan)              ... and fold(chunks) for stream=false
 
 serving_completion.py and serving_chat.py each give the three for their API; the engine, the
@@ -33,7 +33,9 @@ class Serving(Generic[PlanT, ReplyT]):
         """Check the request against the model and the server's limits; raises ApiError."""
         raise NotImplementedError
 
-    def chunks(self, plan: PlanT, include_usage: bool) -> AsyncIterator[Any]:
+    def chunks(self, plan: PlanT, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[Any]:
+        """The stream's chunks; include_usage: a usage chunk at the end; continuous_usage: the usage
+        so far in every chunk (vLLM's continuous_usage_stats)."""
         raise NotImplementedError
 
     @staticmethod
@@ -49,6 +51,11 @@ class Serving(Generic[PlanT, ReplyT]):
         """Text of token ids as the model's tokenizer writes them, special tokens included."""
         tokenizer = self.engine.tokenizer
         return "" if tokenizer is None else tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def decode_one(self, token_id: int, skip_special_tokens: bool = False) -> str:
+        """One token's text (special tokens written out, unless skip_special_tokens)."""
+        tokenizer = self.engine.tokenizer
+        return "" if tokenizer is None else tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
 
     @staticmethod
     def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:

@@ -161,9 +161,22 @@ class Tokenizer:
         """Token ids of `text`; add_special_tokens applies the post-processor (usually BOS). A long
         text goes through `encode_batch`, which lets go of the GIL (`encode` holds it throughout:
         seconds for a few MB), so other threads, the server's event loop among them, run meanwhile."""
+        return self._encoding(text, add_special_tokens).ids
+
+    def encode_with_offsets(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+        """encode(text), and where each token begins in text. A token with no text there (the BOS
+        the post-processor adds) begins where the text before it ends."""
+        encoding = self._encoding(text, add_special_tokens)
+        starts, end = [], 0
+        for start, stop in encoding.offsets:
+            starts.append(start if stop > start else end)
+            end = max(end, stop)
+        return encoding.ids, starts
+
+    def _encoding(self, text: str, add_special_tokens: bool):
         if len(text) < _LONG_TEXT:
-            return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+            return self.backend.encode(text, add_special_tokens=add_special_tokens)
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`. Ids outside the vocabulary are skipped; bytes that do not form
