@@ -8,6 +8,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, replace
 
+from ferry.structured.params import StructuredOutputsParams
+
 # OpenAI allows at most 20 top logprobs; we allow the same.
 MAX_LOGPROBS = 20
 # OpenAI's range for a logit bias: -100 bans a token in practice, +100 makes it all but certain.
@@ -49,9 +51,14 @@ class SamplingParams:
     # bad_words_token_ids, which is what the sampler reads; token sequences may be given there too.
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # The grammar the output must match (a JSON schema, a regex, a choice, a grammar): vLLM's
+    # `structured_outputs`; a dict of its fields is taken too.
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_json(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         elif self.stop is None:

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ferry.executor.executor import Executor
     from ferry.executor.model_runner import LaunchedStep
     from ferry.metrics.tracing import RequestTracer
+    from ferry.structured.grammar import Grammars
     from ferry.tokenizer import Tokenizer
 
 # A prompt is text, or a dict (vLLM's form): {"prompt_token_ids": [...]} or {"prompt": "..."}, with
@@ -50,17 +51,17 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(
         self, config: EngineConfig, executor: Executor, tokenizer: Tokenizer | None, tracer: RequestTracer | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.config = config
+        self.grammars = grammars  # checks the grammars of structured-output requests
         self.executor = executor  # runs the model: executor/executor.py says what the engine needs of it
         self.tokenizer = tokenizer
         kv_cache = KVCacheManager(executor.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, kv_cache)
         self.output_processor = OutputProcessor(tokenizer)
         self.tracer = tracer
-        self.eos_token_ids = config.model.eos_token_ids or (
-            (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
-        )
+        self.eos_token_ids = _eos_token_ids(config, tokenizer)
         # Asynchronous scheduling: the launched step whose results have not been applied yet.
         self._in_flight: _Launched | None = None
         # The steps scheduled and not yet applied (at most two): whose requests a failure ends.
@@ -70,12 +71,15 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig, tracer: RequestTracer | None = None) -> LLMEngine:
         from ferry.executor.model_runner import build_model_runner
 
-        tokenizer = None
-        if (config.model.tokenizer_dir / "tokenizer.json").is_file():
+        tokenizer, grammars = None, None
+        tokenizer_json = config.model.tokenizer_dir / "tokenizer.json"
+        if tokenizer_json.is_file():
+            from ferry.structured.grammar import Grammars
             from ferry.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_pretrained(config.model.tokenizer_dir)
-        return cls(config, build_model_runner(config), tokenizer, tracer)
+            grammars = Grammars(tokenizer_json, config.model.vocab_size, _eos_token_ids(config, tokenizer))
+        return cls(config, build_model_runner(config, grammars=grammars), tokenizer, tracer, grammars)
 
     # ---- requests in ----
 
@@ -85,6 +89,9 @@ class LLMEngine:
         """Validate and queue a request. Raises ValueError naming the problem; the engine is
         unchanged then."""
         text, token_ids = self._tokenize(prompt)
+        # Token ids in the sampling params (logit_bias, allowed ids, bad words) within the
+        # vocabulary: one out of it would fail the sampler, and on a GPU the process.
+        params = params.for_model(self.config.model.vocab_size, self.tokenizer)
         self._validate(request_id, token_ids, params)
         cache_salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         child_ids = self.output_processor.add_request(request_id, text, token_ids, params)
@@ -132,6 +139,11 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens, but max_model_len is {model.max_model_len}: "
                 "it leaves no room for a single output token"
             )
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError(f"{params.structured_outputs.source}: structured output needs the model's "
+                                 "tokenizer (tokenizer.json)")
+            self.grammars.check(params.structured_outputs)  # a GrammarError (ValueError) names the problem
         taken = self.output_processor.ids_in_use(request_id, params.n)
         if taken:
             raise ValueError(f"request id {request_id!r} is already in use (as {', '.join(sorted(taken))})")
@@ -227,11 +239,13 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is collected: not while a
-        running request's penalties need its tokens on the host, nor when the executor proposes
-        tokens (the next step verifies proposals that follow the tokens of this one)."""
+        running request's penalties or grammar need its tokens on the host (a grammar's mask
+        follows every token), nor when the executor proposes tokens (the next step verifies
+        proposals that follow the tokens of this one)."""
         if self.executor.proposes_tokens:
             return False
-        return not any(r.sampling_params.uses_penalties for r in self.scheduler.running)
+        return not any(r.sampling_params.uses_penalties or r.sampling_params.structured_outputs is not None
+                       for r in self.scheduler.running)
 
 
 @dataclass
@@ -239,6 +253,13 @@ class _Launched:
     scheduler_output: SchedulerOutput
     step: LaunchedStep  # the executor's handle
     start: float  # when it was scheduled
+
+
+def _eos_token_ids(config: EngineConfig, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """The model's EOS ids (generation_config.json, config.json), else the tokenizer's."""
+    if config.model.eos_token_ids:
+        return config.model.eos_token_ids
+    return (tokenizer.eos_token_id,) if tokenizer is not None and tokenizer.eos_token_id is not None else ()
 
 
 def _child_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -272,6 +272,8 @@ _PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))
 def _params_to_json(params: SamplingParams) -> dict:
     out = {f.name: getattr(params, f.name) for f in fields(params)}
     out["output_kind"] = params.output_kind.name
+    if params.structured_outputs is not None:
+        out["structured_outputs"] = params.structured_outputs.to_json()
     return out
 
 

@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -48,6 +48,7 @@ from ferry.transfer import to_device
 if TYPE_CHECKING:
     from ferry.executor.cuda_graph import DecodeGraphRunner
     from ferry.spec.proposer import Proposer
+    from ferry.structured.grammar import Grammars
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ class _RequestState:
     # several), each seeded for the output position of its row.
     generators: list[torch.Generator] | None
     eos_token_ids: tuple[int, ...]
+    # Structured output: the llguidance matcher of the request's grammar, advanced by every token
+    # it gets (structured/grammar.py); None without one.
+    matcher: Any = None
 
 
 @dataclass
@@ -91,6 +95,7 @@ class ModelRunner:
         sampler,
         decode_graphs: DecodeGraphRunner | None = None,
         proposer: Proposer | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -101,6 +106,7 @@ class ModelRunner:
         self.sampler = sampler
         self.decode_graphs = decode_graphs
         self.proposer = proposer
+        self.grammars = grammars  # makes the matchers of requests with structured output
         self._states: dict[str, _RequestState] = {}
         # The last launched step's sampled ids on the device, and each sampling request's row in
         # them: where the next step finds the tokens the host does not know yet.
@@ -167,6 +173,8 @@ class ModelRunner:
         for state, slot, tokens in zip(step.states, step.slots, new_tokens):
             # Its placeholder; a state dropped while this step ran is no one's any more.
             state.output_token_ids[slot:slot + 1] = tokens
+            if state.matcher is not None:
+                state.matcher.consume_tokens(tokens)
         return self._with_proposals(ModelRunnerOutput(step.request_ids, new_tokens), step.states)
 
     def _with_proposals(self, output: ModelRunnerOutput, states: list[_RequestState]) -> ModelRunnerOutput:
@@ -208,10 +216,22 @@ class ModelRunner:
                 params = item.sampling_params
                 self._states[item.request_id] = _RequestState(
                     params, item.prompt_token_ids, list(item.output_token_ids), list(item.new_block_ids),
-                    None if params.seed is None else [], item.eos_token_ids,
+                    None if params.seed is None else [], item.eos_token_ids, self._matcher(item),
                 )
             elif item.new_block_ids:
                 self._states[item.request_id].block_ids.extend(item.new_block_ids)
+
+    def _matcher(self, item: ScheduledRequest) -> Any:
+        """A request's grammar matcher, advanced past the tokens it generated before a preemption."""
+        wanted = item.sampling_params.structured_outputs
+        if wanted is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("structured output needs the model's tokenizer (tokenizer.json)")
+        matcher = self.grammars.matcher(wanted)
+        if item.output_token_ids:
+            matcher.consume_tokens(item.output_token_ids)
+        return matcher
 
     def _drop_state(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -314,10 +334,12 @@ class ModelRunner:
         drafts = [item.token_ids[len(item.token_ids) - item.num_draft_tokens:] for item in items]
         rows = [row for state, proposed in zip(states, drafts) for row in self._sampling_rows(state, proposed)]
         num_rows = len(rows)
+        # The grammars' masks, computed here on the host while the device runs the forward.
+        bitmask = self._token_bitmask(states, drafts, num_rows)
         if inputs.prompt_logprob_rows or any(row.params.logprobs is not None for row in rows):
-            output = self._sample_on_host(scheduled, inputs, logits, rows, request_ids, states, drafts)
+            output = self._sample_on_host(scheduled, inputs, logits, rows, request_ids, states, drafts, bitmask)
             return LaunchedStep(request_ids, output=self._with_proposals(output, states))
-        token_ids = self.sampler.choose(logits[:num_rows], rows)  # (num_rows,), on the device
+        token_ids = self.sampler.choose(logits[:num_rows], rows, bitmask)  # (num_rows,), on the device
         first_rows = None
         if num_rows > len(items):
             first_rows = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]).tolist()
@@ -340,9 +362,10 @@ class ModelRunner:
     def _sample_on_host(
         self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor, rows: list[SamplingRow],
         request_ids: list[str], states: list[_RequestState], drafts: list[list[int]],
+        bitmask: torch.Tensor | None = None,
     ) -> ModelRunnerOutput:
         """Sample and bring everything to the host now: the step's logprobs are host lists."""
-        result: SamplerOutput = self.sampler(logits[:len(rows)], rows)
+        result: SamplerOutput = self.sampler(logits[:len(rows)], rows, bitmask)
         logprobs = _logprobs_of(result)
         new_tokens, new_logprobs, row = [], [], 0
         for state, proposed in zip(states, drafts):
@@ -352,6 +375,8 @@ class ModelRunner:
             if logprobs is not None:
                 new_logprobs.append(None if logprobs[row] is None else logprobs[row:row + accepted + 1])
             state.output_token_ids.extend(new_tokens[-1])
+            if state.matcher is not None:
+                state.matcher.consume_tokens(new_tokens[-1])
             row += len(proposed) + 1
         if len(rows) == len(states):
             self._remember(request_ids, to_device([t for t, in new_tokens], torch.int64, self.device))
@@ -363,6 +388,43 @@ class ModelRunner:
                 scheduled[i], logits[first:first + count]
             )
         return output
+
+    def _token_bitmask(self, states: list[_RequestState], drafts: list[list[int]], num_rows: int) -> torch.Tensor | None:
+        """The allowed tokens of each sampled row as a bitmask on the device (structured/bitmask.py),
+        or None when no request of the step has a grammar. A row after proposals is masked as the
+        grammar stands once the proposals before it are taken (and taken back after)."""
+        if not any(state.matcher is not None for state in states):
+            return None
+        from ferry.structured.bitmask import new_bitmask
+
+        bitmask = new_bitmask(num_rows, self.grammars.vocab_size, pin_memory=self.device.type == "cuda")
+        first, row = [], 0
+        for state, proposed in zip(states, drafts):
+            matcher = state.matcher
+            if matcher is not None and not matcher.is_error():
+                first.append((matcher, row))
+            row += len(proposed) + 1
+        if first:  # one call fills every sequence's mask, in parallel, without the GIL
+            self.grammars.executor.unsafe_compute_mask_ptr(
+                first, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        row = 0
+        for state, proposed in zip(states, drafts):
+            if state.matcher is not None and proposed and not state.matcher.is_error():
+                self._fill_after_proposals(state.matcher, proposed, bitmask, row)
+            row += len(proposed) + 1
+        return bitmask.to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _fill_after_proposals(matcher: Any, proposed: list[int], bitmask: torch.Tensor, row: int) -> None:
+        taken = 0
+        for j, token_id in enumerate(proposed, 1):
+            if matcher.try_consume_tokens([token_id]) != 1:
+                break  # the grammar refuses it, so it is rejected: the rows after it are never used
+            taken += 1
+            mask = bitmask[row + j]
+            matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
+        if taken:
+            matcher.rollback(taken)
 
     def _remember(self, request_ids: list[str], token_ids: torch.Tensor) -> None:
         self._last_sampled = token_ids
@@ -440,9 +502,12 @@ def _logprobs_of(result: SamplerOutput) -> list[Logprobs | None] | None:
     ]
 
 
-def build_model_runner(config: EngineConfig, proposer: Proposer | None = None) -> ModelRunner:
+def build_model_runner(
+    config: EngineConfig, proposer: Proposer | None = None, grammars: Grammars | None = None,
+) -> ModelRunner:
     """Load the model, size and allocate the KV cache, and pick the attention backend. With a
-    proposer, the decode graphs are also captured for rows of 1 + its num_speculative_tokens."""
+    proposer, the decode graphs are also captured for rows of 1 + its num_speculative_tokens; with
+    grammars, requests may ask for structured output."""
     from ferry.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
     from ferry.attention.selector import get_attention_backend
     from ferry.layers.linear import tune_small_batch
@@ -469,7 +534,7 @@ def build_model_runner(config: EngineConfig, proposer: Proposer | None = None) -
     query_lens = (1,) if proposer is None else (1, 1 + proposer.num_speculative_tokens)
     decode_graphs = _decode_graphs(config, model, kv_caches, backend, query_lens)
     return ModelRunner(config, model, kv_caches, backend, Sampler(seed=config.seed, device=device), decode_graphs,
-                       proposer)
+                       proposer, grammars)
 
 
 def _decode_graphs(

@@ -28,6 +28,7 @@ from ferry.sample.logprobs import compute_logprobs
 from ferry.sample.metadata import RandomRowParams, SamplingRow
 from ferry.sample.penalties import apply_bans_, apply_logit_bias_, apply_penalties_, needs_adjusting
 from ferry.sample.truncation import truncation_threshold
+from ferry.structured.bitmask import apply_bitmask_
 from ferry.transfer import to_device
 
 
@@ -51,23 +52,31 @@ class Sampler:
     def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None,
+    ) -> SamplerOutput:
         """logits: (num_rows, vocab) on the generator's device, row i belongs to rows[i]; the
-        tensor is not modified."""
+        tensor is not modified. token_bitmask: the tokens each row may choose (structured output,
+        structured/bitmask.py), on the logits' device."""
         logits = logits.float()  # no copy when already float32
-        token_ids = self.choose(logits, rows)  # (num_rows,) int64
+        token_ids = self.choose(logits, rows, token_bitmask)  # (num_rows,) int64
         reported = compute_logprobs(logits, token_ids, rows)
         if reported is None:
             return SamplerOutput(token_ids.tolist(), None, [None] * len(rows), None)
         return SamplerOutput(token_ids.tolist(), reported.chosen, reported.top, reported.ranks)
 
-    def choose(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def choose(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """(num_rows, vocab) -> (num_rows,) int64 token ids, left on the logits' device: the step
-        that does not need them on the host yet (asynchronous scheduling) reads them later."""
+        that does not need them on the host yet (asynchronous scheduling) reads them later. A
+        token_bitmask bans, like the bans, every token whose bit is 0."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"expected logits of shape ({len(rows)}, vocab), got {tuple(logits.shape)}")
         _check_generators(rows)
         logits = logits.float()
+        if token_bitmask is not None:
+            logits = apply_bitmask_(logits.clone(), token_bitmask)
         if needs_adjusting(rows):
             # A penalty at the edge of float64 (a repetition_penalty that is 0 or inf in float32)
             # can make a logit inf or NaN; `finite` keeps the order of the rest.

@@ -1,0 +1,124 @@
+"""From a request's StructuredOutputsParams to a matcher that knows which tokens may come next.
+
+llguidance does the work: it compiles a JSON schema, a regex or a Lark grammar against the
+tokenizer's vocabulary in milliseconds, and then, per sequence, computes the mask of allowed next
+tokens (tens of microseconds for a large vocabulary, without the GIL) and advances by each
+sampled token. `Grammars` holds the tokenizer in llguidance's form, once per process: the server's
+to check a request's grammar before admitting it (a 400 naming the problem), the engine's to make
+a matcher for every sequence that asks.
+
+A choice becomes a regex of the escaped alternatives; a GBNF / EBNF grammar is translated to Lark.
+The end of the output is the grammar's to say: once it is complete, only an EOS token is allowed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ferry.structured.params import StructuredOutputsParams
+
+
+# JSON laid out as json.dumps writes it: ", " between items, ": " after keys, and no other
+# whitespace, so that a model cannot spend its tokens on blank lines between them.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GrammarError(ValueError):
+    """A request's schema or grammar that cannot be compiled; the message names it."""
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """llguidance's grammar for the request (not yet checked against a tokenizer)."""
+    from llguidance import LLMatcher
+
+    kind = params.kind
+    if kind == "json":
+        try:
+            schema = json.loads(params.json)
+        except json.JSONDecodeError as e:
+            raise GrammarError(f"{params.source}: the JSON schema is not valid JSON ({e})") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"{params.source}: a JSON schema must be an object")
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+        except ValueError as e:
+            raise GrammarError(f"{params.source}: invalid JSON schema ({e})") from None
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        return LLMatcher.grammar_from_regex("|".join(f"({re.escape(c)})" for c in params.choice))
+    return LLMatcher.grammar_from_lark(_as_lark(params.grammar))
+
+
+def _as_lark(grammar: str) -> str:
+    """A Lark grammar as it is; a GBNF / EBNF one (`root ::= ...`) translated."""
+    if "::=" not in grammar:
+        return grammar
+    from llguidance.gbnf_to_lark import gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(grammar)
+    except Exception as e:  # the translator raises its own error types
+        raise GrammarError(f"grammar: cannot read it as GBNF/EBNF ({e})") from None
+
+
+class Grammars:
+    """llguidance's view of one tokenizer, and matchers for it. The view is built on first use
+    (a large vocabulary takes a moment), so a process that never sees a grammar never pays.
+
+    vocab_size: the model's (its logits may have more rows than the tokenizer has tokens: those
+    are never allowed). eos_token_ids: the tokens that end a sequence, allowed once the grammar is
+    complete.
+    """
+
+    def __init__(self, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer_json = Path(tokenizer_json)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._tokenizer = None
+        self._executor = None
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from llguidance import LLTokenizer
+
+            self._tokenizer = LLTokenizer(str(self.tokenizer_json), n_vocab=self.vocab_size,
+                                          eos_token=list(self.eos_token_ids) if self.eos_token_ids else None)
+        return self._tokenizer
+
+    @property
+    def executor(self):
+        """llguidance's thread pool, which fills many sequences' masks at once without the GIL."""
+        if self._executor is None:
+            from llguidance import LLExecutor
+
+            self._executor = LLExecutor()
+        return self._executor
+
+    def check(self, params: StructuredOutputsParams) -> str:
+        """The compiled grammar text; GrammarError naming the problem when it does not compile."""
+        from llguidance import LLMatcher
+
+        text = grammar_text(params)
+        error = LLMatcher.validate_grammar(text, self.tokenizer)
+        if error:
+            raise GrammarError(f"{params.source}: the {_NAMES[params.kind]} does not compile: {error.strip()}")
+        return text
+
+    def matcher(self, params: StructuredOutputsParams):
+        """A fresh llguidance LLMatcher for one sequence."""
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.tokenizer, self.check(params), log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"{params.source}: {matcher.get_error()}")
+        return matcher
+
+
+_NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
+          "grammar": "grammar"}
