@@ -21,6 +21,9 @@ from ferry.sampling_params import SamplingParams
 from ferry.server.config import ServerConfig
 from ferry.server.errors import ApiError, bad_request
 from ferry.server.protocol import ChatMessage, Prompt, SamplingFields
+from ferry.structured.requests import FIELDS as STRUCTURED_FIELDS
+from ferry.structured.params import StructuredOutputsParams
+from ferry.structured.requests import StructuredRequestError, structured_outputs_of
 from ferry.tokenizer.tokenizer import PromptTooLong
 
 _PARAM_NAMES = frozenset(f.name for f in fields(SamplingParams))
@@ -296,6 +299,27 @@ def refuse_unsupported(request: SamplingFields) -> None:
         raise bad_request(f"{name} is not supported: {why}", name, "unsupported_parameter")
 
 
+def check_grammar(engine: AsyncEngine, structured: StructuredOutputsParams) -> None:
+    """400 naming the schema or grammar that does not compile against the model's tokenizer (in the
+    plan's worker thread: compiling takes milliseconds, building the tokenizer's view once longer)."""
+    if engine.tokenizer is None:
+        raise bad_request(f"{structured.source}: structured output needs the model's tokenizer", structured.source)
+    key = id(engine.tokenizer)
+    grammars = _GRAMMARS.get(key)
+    if grammars is None:
+        from ferry.structured.grammar import Grammars
+
+        grammars = _GRAMMARS[key] = Grammars(engine.tokenizer.backend.to_str(), engine.info.vocab_size)
+    try:
+        grammars.check(structured)
+    except ValueError as e:
+        raise bad_request(str(e), structured.source) from None
+
+
+# The server's view of each tokenizer for llguidance, made on the first structured request.
+_GRAMMARS: dict[int, Any] = {}
+
+
 def sampling_params(
     request: SamplingFields, config: ServerConfig, engine: AsyncEngine, max_tokens: int | None,
     logprobs: int | None = None, prompt_logprobs: int | None = None,
@@ -317,6 +341,12 @@ def sampling_params(
     if any(not s for s in stop):
         raise bad_request("stop strings must not be empty", "stop")
     check_token_ids(request.stop_token_ids or [], engine, "stop_token_ids")
+    try:
+        structured = structured_outputs_of({name: getattr(request, name) for name in STRUCTURED_FIELDS})
+    except StructuredRequestError as e:
+        raise bad_request(str(e), e.param) from None
+    if structured is not None:
+        check_grammar(engine, structured)
     given = {
         "n": request.n, "temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
         "min_p": request.min_p, "seed": request.seed, "max_tokens": max_tokens, "min_tokens": request.min_tokens,
@@ -326,6 +356,7 @@ def sampling_params(
         "frequency_penalty": request.frequency_penalty, "repetition_penalty": request.repetition_penalty,
         "skip_special_tokens": request.skip_special_tokens, "logit_bias": request.logit_bias,
         "allowed_token_ids": request.allowed_token_ids, "bad_words": request.bad_words,
+        "structured_outputs": structured,
     }
     # None means "not given": SamplingParams' default applies (max_tokens=None is meaningful).
     kwargs = {k: v for k, v in given.items() if v is not None or k in ("max_tokens", "logprobs", "prompt_logprobs")}

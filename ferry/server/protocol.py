@@ -69,6 +69,17 @@ class SamplingFields(_Request):
     prompt_logprobs: Int | None = Field(None, ge=0, le=20)
     return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
     best_of: Int | None = Field(None, ge=1)  # only = n: ferry returns every completion it generates
+    # Structured output (ferry/structured/requests.py): at most one of these asks for it.
+    response_format: dict[str, Any] | None = None  # OpenAI's text, json_object or json_schema
+    structured_outputs: dict[str, Any] | None = None  # vLLM's json, regex, choice, grammar, json_object
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted: ferry's one backend is llguidance
+    regex: str | None = None  # SGLang's
+    ebnf: str | None = None
+    structural_tag: Any = None
     # They ask nothing of a server that serves the request (OpenAI monitors abuse and routes caches
     # with them): accepted, and nothing is done with them.
     user: str | None = None
@@ -95,6 +106,7 @@ class SamplingFields(_Request):
         "logits_processors": "ferry runs no user code in its sampler",
         "vllm_xargs": "ferry has no request extensions",
         "kv_transfer_params": "ferry does not transfer KV caches between servers",
+        "structural_tag": "ferry constrains a whole output (response_format, structured_outputs), not tagged parts",
     }
 
 

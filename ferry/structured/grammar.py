@@ -75,8 +75,9 @@ class Grammars:
     complete.
     """
 
-    def __init__(self, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
-        self.tokenizer_json = Path(tokenizer_json)
+    def __init__(self, tokenizer_json: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+        """tokenizer_json: the path of a tokenizer.json, or its text."""
+        self.tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._tokenizer = None
