@@ -201,3 +201,19 @@ def test_the_bitmask_kernel_matches_its_reference():
         assert torch.equal(got.cpu(), expected)
         # Bit b of word w is token 32w + b.
         assert torch.isinf(expected[0, 0]) == (not bitmask[0, 0].item() & 1)
+
+
+def test_asynchronous_scheduling_gives_the_same_tokens():
+    """With asynchronous scheduling the next step's forward is queued before this step's tokens are
+    known; its masks wait for them (ModelRunner._advance_grammars), and the tokens are those of
+    synchronous steps."""
+    prompts = ["Tell me about a person:", "Someone else:", "The weather today"]
+    params = [SamplingParams(max_tokens=60, temperature=0.8, seed=i, structured_outputs=Structured(json=json.dumps(s)))
+              for i, s in enumerate(SCHEMAS[:3])]
+    params.append(SamplingParams(max_tokens=20, temperature=0))  # and one without a grammar
+    prompts.append("def main():")
+    runs = []
+    for async_scheduling in (False, True):
+        llm = LLM(async_scheduling=async_scheduling)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]

@@ -239,13 +239,12 @@ class LLMEngine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the one in flight is collected: not while a
-        running request's penalties or grammar need its tokens on the host (a grammar's mask
-        follows every token), nor when the executor proposes tokens (the next step verifies
-        proposals that follow the tokens of this one)."""
+        running request's penalties need its tokens on the host, nor when the executor proposes
+        tokens (the next step verifies proposals that follow the tokens of this one). (A grammar's
+        mask follows every token too, but only the sampling waits for it: see ModelRunner.)"""
         if self.executor.proposes_tokens:
             return False
-        return not any(r.sampling_params.uses_penalties or r.sampling_params.structured_outputs is not None
-                       for r in self.scheduler.running)
+        return not any(r.sampling_params.uses_penalties for r in self.scheduler.running)
 
 
 @dataclass

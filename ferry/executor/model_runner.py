@@ -66,6 +66,8 @@ class _RequestState:
     # Structured output: the llguidance matcher of the request's grammar, advanced by every token
     # it gets (structured/grammar.py); None without one.
     matcher: Any = None
+    # Tokens the matcher has not taken yet: they go in with the next mask, in the mask's thread.
+    grammar_pending: list[int] = dataclass_field(default_factory=list)
 
 
 @dataclass
@@ -81,6 +83,7 @@ class LaunchedStep:
     first_rows: list[int] | None = None
     ready: torch.cuda.Event | None = None  # recorded after that copy; None: nothing to wait for
     output: ModelRunnerOutput | None = None  # set when the step was completed at launch
+    grammars_advanced: bool = False  # its tokens already went to its requests' grammar matchers
 
 
 class ModelRunner:
@@ -112,6 +115,9 @@ class ModelRunner:
         # them: where the next step finds the tokens the host does not know yet.
         self._last_sampled: torch.Tensor | None = None
         self._last_rows: dict[str, int] = {}
+        # The last launched step while it is not collected: a grammar's mask for the next step
+        # follows its tokens (see _advance_grammars).
+        self._uncollected: LaunchedStep | None = None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -156,26 +162,51 @@ class ModelRunner:
             ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        return self.sample(scheduled, inputs, logits)
+        step = self.sample(scheduled, inputs, logits)
+        self._uncollected = step if step.output is None else None
+        return step
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's tokens and return its output."""
+        if self._uncollected is step:
+            self._uncollected = None
         if step.output is not None:
             return step.output
+        new_tokens = self._tokens_of(step)
+        for state, slot, tokens in zip(step.states, step.slots, new_tokens):
+            # Its placeholder; a state dropped while this step ran is no one's any more.
+            state.output_token_ids[slot:slot + 1] = tokens
+            if state.matcher is not None and not step.grammars_advanced:
+                state.grammar_pending += tokens
+        return self._with_proposals(ModelRunnerOutput(step.request_ids, new_tokens), step.states)
+
+    @staticmethod
+    def _tokens_of(step: LaunchedStep) -> list[list[int]]:
+        """Each sampling request's new tokens, once the step's copy to the host is done."""
         if step.ready is not None:
             step.ready.synchronize()
         values = step.token_ids.tolist()
         if step.first_rows is None:
-            new_tokens = [[token_id] for token_id in values]
-        else:  # a verify step: each request's accepted proposals, then the token sampled after them
-            counts = values[len(values) - len(step.first_rows):]
-            new_tokens = [values[row:row + count + 1] for row, count in zip(step.first_rows, counts)]
-        for state, slot, tokens in zip(step.states, step.slots, new_tokens):
-            # Its placeholder; a state dropped while this step ran is no one's any more.
-            state.output_token_ids[slot:slot + 1] = tokens
+            return [[token_id] for token_id in values]
+        # A verify step: each request's accepted proposals, then the token sampled after them.
+        counts = values[len(values) - len(step.first_rows):]
+        return [values[row:row + count + 1] for row, count in zip(step.first_rows, counts)]
+
+    def _advance_grammars(self, states: list[_RequestState]) -> None:
+        """Before the masks of a step whose requests have grammars: the tokens of the step before it,
+        if it is still uncollected (asynchronous scheduling), go to their matchers now. This step's
+        forward is already queued, so the device runs it while the host waits for those tokens and
+        then computes the masks; only the sampling waits for them."""
+        step = self._uncollected
+        if step is None or step.grammars_advanced:
+            return
+        wanted = {id(state) for state in states if state.matcher is not None}
+        if not any(id(state) in wanted for state in step.states):
+            return
+        for state, tokens in zip(step.states, self._tokens_of(step)):
             if state.matcher is not None:
-                state.matcher.consume_tokens(tokens)
-        return self._with_proposals(ModelRunnerOutput(step.request_ids, new_tokens), step.states)
+                state.grammar_pending += tokens
+        step.grammars_advanced = True
 
     def _with_proposals(self, output: ModelRunnerOutput, states: list[_RequestState]) -> ModelRunnerOutput:
         """The output, with the proposer's next tokens for the requests that still run."""
@@ -376,7 +407,7 @@ class ModelRunner:
                 new_logprobs.append(None if logprobs[row] is None else logprobs[row:row + accepted + 1])
             state.output_token_ids.extend(new_tokens[-1])
             if state.matcher is not None:
-                state.matcher.consume_tokens(new_tokens[-1])
+                state.grammar_pending += new_tokens[-1]
             row += len(proposed) + 1
         if len(rows) == len(states):
             self._remember(request_ids, to_device([t for t, in new_tokens], torch.int64, self.device))
@@ -395,18 +426,18 @@ class ModelRunner:
         grammar stands once the proposals before it are taken (and taken back after)."""
         if not any(state.matcher is not None for state in states):
             return None
+        self._advance_grammars(states)
         from ferry.structured.bitmask import new_bitmask
 
         bitmask = new_bitmask(num_rows, self.grammars.vocab_size, pin_memory=self.device.type == "cuda")
         first, row = [], 0
         for state, proposed in zip(states, drafts):
-            matcher = state.matcher
-            if matcher is not None and not matcher.is_error():
-                first.append((matcher, row))
+            if state.matcher is not None:
+                first.append((state.matcher, row, state.grammar_pending))
+                state.grammar_pending = []
             row += len(proposed) + 1
-        if first:  # one call fills every sequence's mask, in parallel, without the GIL
-            self.grammars.executor.unsafe_compute_mask_ptr(
-                first, bitmask.data_ptr(), bitmask.shape[1] * 4, bitmask.shape[0])
+        # Every sequence's new tokens in, then its mask out, side by side in threads (no GIL).
+        self.grammars.fill_masks(first, bitmask)
         row = 0
         for state, proposed in zip(states, drafts):
             if state.matcher is not None and proposed and not state.matcher.is_error():

@@ -14,6 +14,7 @@ The end of the output is the grammar's to say: once it is complete, only an EOS 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -82,24 +83,49 @@ class Grammars:
         self.eos_token_ids = tuple(eos_token_ids)
         self._tokenizer = None
         self._executor = None
+        # Threads that fill masks: the host's cores but one (which runs the engine's loop).
+        self.threads = max(1, min(16, (os.cpu_count() or 2) - 1))
 
     @property
     def tokenizer(self):
         if self._tokenizer is None:
             from llguidance import LLTokenizer
 
-            self._tokenizer = LLTokenizer(str(self.tokenizer_json), n_vocab=self.vocab_size,
-                                          eos_token=list(self.eos_token_ids) if self.eos_token_ids else None)
+            eos = list(self.eos_token_ids) if self.eos_token_ids else None
+            try:
+                self._tokenizer = LLTokenizer(str(self.tokenizer_json), n_vocab=self.vocab_size, eos_token=eos)
+            except TypeError:  # llguidance before 1.7 takes one EOS id
+                self._tokenizer = LLTokenizer(str(self.tokenizer_json), n_vocab=self.vocab_size,
+                                              eos_token=eos[0] if eos else None)
         return self._tokenizer
 
-    @property
-    def executor(self):
-        """llguidance's thread pool, which fills many sequences' masks at once without the GIL."""
-        if self._executor is None:
-            from llguidance import LLExecutor
+    def fill_masks(self, rows: list[tuple[object, int, list[int]]], bitmask) -> None:
+        """For each (matcher, row, new tokens): advance the matcher by its new tokens, then write its
+        allowed next tokens into row `row` of bitmask (a contiguous int32 host tensor,
+        structured/bitmask.py); a matcher in an error state leaves its row all allowed. llguidance
+        works without the GIL, so a pool of threads does a step's sequences side by side: a mask of
+        a 150k vocabulary inside a free JSON string takes about 0.1 ms, and a batch of 64 would take
+        7 ms on one core."""
+        row_bytes = bitmask.shape[1] * 4
+        base = bitmask.data_ptr()
 
-            self._executor = LLExecutor()
-        return self._executor
+        def fill(part: list[tuple[object, int, list[int]]]) -> None:
+            for matcher, row, tokens in part:
+                if tokens:
+                    matcher.consume_tokens(tokens)
+                if not matcher.is_error():
+                    matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+
+        if len(rows) < 2 or self.threads < 2:
+            fill(rows)
+            return
+        if self._executor is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="ferry-grammar")
+        parts = min(self.threads, len(rows))
+        for future in [self._executor.submit(fill, rows[part::parts]) for part in range(parts)]:
+            future.result()
 
     def check(self, params: StructuredOutputsParams) -> str:
         """The compiled grammar text; GrammarError naming the problem when it does not compile."""
