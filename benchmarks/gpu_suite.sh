@@ -113,8 +113,10 @@ step() {  # the time limit in seconds of one step, and its command
     prefill_llama8b) echo 90 python3 -m ferry.bench.latency --config-dir $llama --dtype bfloat16 --device cuda \
       --input-len 8192 --output-len 1 --max-model-len 16384 --num-iters-warmup 2 --num-iters 5 \
       --json "$logs/$name.json" ;;
-    verify_llama8b) echo 200 python3 -m ferry.bench.verify_step --config-dir $llama --dtype bfloat16 \
-      --batch-sizes 1 8 32 --contexts 512 4096 ;;
+    verify_llama8b) echo 120 python3 -m ferry.bench.verify_step --config-dir $llama --dtype bfloat16 \
+      --batch-sizes 1 8 32 --contexts 512 4096 --no-check ;;
+    verify_check_llama8b) echo 120 python3 -m ferry.bench.verify_step --config-dir $llama --dtype float32 \
+      --batch-sizes 4 --no-timing --num-kv-blocks 4096 ;;
     multi_token_tests) echo 200 python3 -m pytest -q -x tests/test_multi_token_rows.py ;;
     multi_turn_qwen3) echo 120 python3 -m ferry.bench.multi_turn --model $qwen --load-format dummy \
       --dtype bfloat16 --device cuda --turns 100 --user-tokens 20 60 --output-tokens 16 ;;

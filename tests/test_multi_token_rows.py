@@ -210,6 +210,7 @@ def _real_engine(path, proposer=None, enforce_eager=True, backend=None):
     config = EngineConfig.create(
         path, dtype="float32", block_size=4, num_kv_blocks=256, max_num_seqs=8, enforce_eager=enforce_eager,
         cuda_graph_batch_sizes=(1, 2, 4, 8), attention_backend=backend,
+        device="cuda" if backend == "triton" and torch.cuda.is_available() else "cpu",
     )
     return LLMEngine(config, build_model_runner(config, proposer), tokenizer=None)
 

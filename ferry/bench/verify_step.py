@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-kv-blocks", type=int, default=16384)
     parser.add_argument("--device", default=None, help="default: cuda when there is one (on a CPU the graphs' padded "
                         "steps run eagerly: a smoke test, not a measurement)")
+    parser.add_argument("--no-timing", action="store_true", help="only check the outputs")
+    parser.add_argument("--no-check", action="store_true", help="only time the steps")
     parser.add_argument("--prompt-len", type=int, default=200, help="prompt tokens of each checked generation")
     parser.add_argument("--output-len", type=int, default=64, help="tokens each checked generation makes")
     args = parser.parse_args(argv)
@@ -162,14 +164,20 @@ def main(argv: list[str] | None = None) -> int:
     )
     runner = build_model_runner(config, OracleProposer(k, {}))
     runner.proposer = None  # the timings and the single-step run take no proposals
-    print(f"{config.model.architecture} ({args.config_dir}), {config.model.dtype}, k = {k}: "
-          f"step time through the decode graphs on {device}, median of {args.iters}")
-    print(f"{'batch':>6} {'context':>8} {'decode ms':>10} {f'verify {k + 1} ms':>12} {'ratio':>7}")
-    for batch in args.batch_sizes:
-        for context in args.contexts:
-            decode, verify = time_steps(runner, batch, context, k, args.iters)
-            print(f"{batch:>6} {context:>8} {decode * 1e3:>10.3f} {verify * 1e3:>12.3f} {verify / decode:>7.3f}")
-    print()
+    print(f"{config.model.architecture} ({args.config_dir}), {config.model.dtype}, k = {k}, on {device}")
+    if not args.no_timing:
+        print(f"step time through the decode graphs, median of {args.iters}")
+        print(f"{'batch':>6} {'context':>8} {'decode ms':>10} {f'verify {k + 1} ms':>12} {'ratio':>7}")
+        for batch in args.batch_sizes:
+            for context in args.contexts:
+                decode, verify = time_steps(runner, batch, context, k, args.iters)
+                print(f"{batch:>6} {context:>8} {decode * 1e3:>10.3f} {verify * 1e3:>12.3f} {verify / decode:>7.3f}")
+        print()
+    if args.no_check:
+        return 0
+    # A verify step's rows go through other matmul shapes than single steps' (five rows, not one),
+    # so in bfloat16 their logits differ by rounding and a greedy near-tie can go either way; in
+    # float32 the differences are far below the gaps between top tokens.
     ok = True
     for r in check_outputs(runner, config, k, num_prompts=4, prompt_len=args.prompt_len, output_len=args.output_len):
         ok &= r["equal"] and r["verify_graph_replays"] > 0
