@@ -178,7 +178,7 @@ def test_bad_token_fields_are_400s_naming_them(http, endpoint, param, value, wor
 # ---- known fields ferry does not implement: 400 naming them; their defaults pass ----
 
 
-@pytest.mark.parametrize("endpoint, field, value", [
+_REFUSED_CASES = [
     ("completions", "suffix", "def f():"), ("completions", "prompt_embeds", "AAAA"),
     ("completions", "use_beam_search", True), ("chat", "use_beam_search", True), ("chat", "length_penalty", 0.5),
     ("completions", "truncate_prompt_tokens", 3), ("chat", "priority", 1), ("completions", "request_id", "mine"),
@@ -190,7 +190,10 @@ def test_bad_token_fields_are_400s_naming_them(http, endpoint, param, value, wor
     ("chat", "prediction", {"type": "content", "content": "x"}),
     ("chat", "web_search_options", {"search_context_size": "low"}), ("chat", "verbosity", "low"),
     ("chat", "mm_processor_kwargs", {"k": 1}),
-])
+]
+
+
+@pytest.mark.parametrize("endpoint, field, value", _REFUSED_CASES)
 def test_known_unsupported_fields_are_refused(http, endpoint, field, value):
     response = post(http, endpoint, **{field: value})
     assert_refused(response, field, f"{field} is not supported")
@@ -457,3 +460,53 @@ def bundled_server(tmp_path_factory):
         yield proc.wait_ready()
     finally:
         proc.stop()
+
+
+# ---- every field of vLLM's request models: honoured, or refused with a 400 naming it ----
+
+# The fields of vLLM's ChatCompletionRequest and CompletionRequest (vllm/entrypoints/openai, the
+# request models of its recent releases, older spellings such as guided_* included).
+VLLM_FIELDS = {
+    "chat": """messages model frequency_penalty logit_bias logprobs top_logprobs max_tokens max_completion_tokens n
+        presence_penalty response_format seed stop stream stream_options temperature top_p tools tool_choice
+        reasoning_effort include_reasoning parallel_tool_calls user best_of use_beam_search top_k min_p
+        repetition_penalty length_penalty stop_token_ids include_stop_str_in_output ignore_eos min_tokens
+        skip_special_tokens spaces_between_special_tokens truncate_prompt_tokens prompt_logprobs allowed_token_ids
+        bad_words echo add_generation_prompt continue_final_message add_special_tokens documents chat_template
+        chat_template_kwargs mm_processor_kwargs guided_json guided_regex guided_choice guided_grammar
+        structural_tag guided_decoding_backend guided_whitespace_pattern priority request_id logits_processors
+        return_tokens_as_token_ids cache_salt kv_transfer_params vllm_xargs structured_outputs truncation_side
+        logprob_token_ids return_token_ids ec_transfer_params repetition_detection thinking_token_budget""".split(),
+    "completions": """model prompt echo frequency_penalty logit_bias logprobs max_tokens n presence_penalty seed stop
+        stream stream_options suffix temperature top_p user use_beam_search top_k min_p repetition_penalty
+        length_penalty stop_token_ids include_stop_str_in_output ignore_eos min_tokens skip_special_tokens
+        spaces_between_special_tokens truncate_prompt_tokens truncation_side allowed_token_ids prompt_logprobs
+        logprob_token_ids bad_words prompt_embeds add_special_tokens response_format structured_outputs priority
+        request_id return_tokens_as_token_ids return_token_ids return_token_offsets cache_salt kv_transfer_params
+        ec_transfer_params vllm_xargs repetition_detection thinking_token_budget best_of guided_json guided_regex
+        guided_choice guided_grammar guided_decoding_backend guided_whitespace_pattern""".split(),
+}
+# A value that asks for something, for each refused field this walk has no value for above.
+_ASKING = {"ec_transfer_params": {"k": 1}, "guided_whitespace_pattern": " ", "truncation_side": "left",
+           "logprob_token_ids": [1], "return_token_ids": True, "return_token_offsets": True,
+           "repetition_detection": {"n": 3}, "thinking_token_budget": 10, "structural_tag": {"structures": []}}
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_every_vllm_field_is_declared_and_every_refused_one_is_a_400(http, endpoint):
+    """No field of vLLM's request models is silently ignored: ferry's model declares each one, so it
+    is either honoured (the tests of this file and of the server, sampler, structured output and
+    tool calling show each effect) or listed in UNSUPPORTED, and then asking for it is a 400
+    naming it."""
+    from ferry.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    model = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+    undeclared = [name for name in VLLM_FIELDS[endpoint] if name not in model.model_fields]
+    assert not undeclared, f"ignored without a word: {undeclared}"
+    asking = {field: value for e, field, value in _REFUSED_CASES if e == endpoint} | _ASKING
+    for name in VLLM_FIELDS[endpoint]:
+        if name not in model.UNSUPPORTED:
+            continue
+        response = post(http, endpoint, **{name: asking.get(name, {"k": 1})})
+        assert response.status_code == 400, (name, response.text)
+        assert response.json()["error"]["param"] == name, response.text

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from pathlib import Path
@@ -77,10 +76,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                       help="accepted, no effect: ferry never logs what requests say")
     logs.add_argument("--disable-log-stats", action="store_true",
                       help="accepted, no effect: ferry logs no periodic stats (see /metrics)")
-    tools = parser.add_argument_group("tool calling (not built yet)")
+    tools = parser.add_argument_group("tool calling")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help="accepted: tool calling is not built yet, so tool calls come back as plain text")
-    tools.add_argument("--tool-call-parser", default=None, help="accepted, like --enable-auto-tool-choice")
+                       help="serve tool_choice 'auto' (the default where a request gives tools): the output is "
+                            "read for tool calls with --tool-call-parser")
+    tools.add_argument("--tool-call-parser", default=None,
+                       help="the format the model writes tool calls in: " + ", ".join(_tool_parser_names()))
+
+
+def _tool_parser_names() -> list[str]:
+    from ferry.tools import TOOL_PARSERS
+
+    return sorted(TOOL_PARSERS)
 
 
 def chat_template_source(value: str | None) -> str | None:
@@ -118,9 +125,6 @@ def serve(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--tokenizer {args.tokenizer}: no tokenizer.json in that folder")
     engine_cfg = engine_config(args)  # reads the model's config.json
     chat_template = chat_template_source(args.chat_template)
-    if args.enable_auto_tool_choice or args.tool_call_parser:
-        logging.getLogger("ferry.server").warning(
-            "tool calling is not built yet: --enable-auto-tool-choice/--tool-call-parser change nothing")
     config = ServerConfig(
         served_model_name=args.served_model_name or (args.model if args.model is not None else DEFAULT_MODEL_NAME),
         api_key=args.api_key or None,
@@ -133,6 +137,8 @@ def serve(args: argparse.Namespace) -> int:
         trace_dir=args.trace_dir,
         body_timeout_s=args.body_timeout,
         allowed_origins=tuple(args.allowed_origins),
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
     )
     if args.engine_restarts < 0:
         raise ValueError(f"--engine-restarts must be >= 0, got {args.engine_restarts}")

@@ -25,6 +25,11 @@ class ServerConfig:
     body_timeout_s: float = 30.0  # a request body that has not arrived by then gets 408
     # Browser origins allowed to call the API (CORS); none by default, "*" for any.
     allowed_origins: tuple[str, ...] = ()
+    # Tool calling: the parser (ferry.tools.TOOL_PARSERS) that reads calls out of free output, and
+    # whether tool_choice "auto" (the default where tools are given) uses it. Without auto, a request's
+    # tool_choice "auto" is a 400 and tools without a tool_choice are only shown to the model.
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_pending_requests", "max_fan_out", "max_stop_strings", "max_body_bytes"):
@@ -32,6 +37,14 @@ class ServerConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.drain_timeout_s >= 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        from ferry.tools import TOOL_PARSERS
+
+        known = ", ".join(sorted(TOOL_PARSERS))
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser {self.tool_call_parser!r} is not known: use one of {known}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of {known})")
         for name in ("max_queue_wait_s", "body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+

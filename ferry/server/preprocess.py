@@ -323,7 +323,10 @@ _GRAMMARS: dict[int, Any] = {}
 def sampling_params(
     request: SamplingFields, config: ServerConfig, engine: AsyncEngine, max_tokens: int | None,
     logprobs: int | None = None, prompt_logprobs: int | None = None,
+    tool_structured: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
+    """The request's SamplingParams; tool_structured: the schema a constraining tool_choice puts on
+    the output (which the request's own structured-output fields may not also do)."""
     if request.stream_options is not None and not request.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     if request.stream_options is not None and request.stream_options.usage == (False, True):
@@ -345,6 +348,11 @@ def sampling_params(
         structured = structured_outputs_of({name: getattr(request, name) for name in STRUCTURED_FIELDS})
     except StructuredRequestError as e:
         raise bad_request(str(e), e.param) from None
+    if tool_structured is not None:
+        if structured is not None:
+            raise bad_request(f"tool_choice 'required' or a named function constrains the output itself: it cannot "
+                              f"be combined with {structured.source}", "tool_choice")
+        structured = tool_structured
     if structured is not None:
         check_grammar(engine, structured)
     given = {

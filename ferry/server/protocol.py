@@ -95,6 +95,14 @@ class SamplingFields(_Request):
     logits_processors: list[Any] | None = None
     vllm_xargs: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+    guided_whitespace_pattern: str | None = None
+    truncation_side: str | None = None
+    logprob_token_ids: list[Any] | None = None
+    return_token_ids: bool | None = None
+    return_token_offsets: bool | None = None
+    repetition_detection: dict[str, Any] | None = None
+    thinking_token_budget: Int | None = None
 
     UNSUPPORTED: ClassVar[dict[str, str]] = {
         "use_beam_search": "ferry does not do beam search",
@@ -106,6 +114,14 @@ class SamplingFields(_Request):
         "logits_processors": "ferry runs no user code in its sampler",
         "vllm_xargs": "ferry has no request extensions",
         "kv_transfer_params": "ferry does not transfer KV caches between servers",
+        "ec_transfer_params": "ferry does not transfer encoder caches between servers",
+        "guided_whitespace_pattern": "ferry lays JSON out as json.dumps writes it",
+        "truncation_side": "ferry does not truncate prompts",
+        "logprob_token_ids": "ferry returns the top logprobs (logprobs / top_logprobs), not those of chosen ids",
+        "return_token_ids": "ferry returns text; /tokenize gives token ids",
+        "return_token_offsets": "only vLLM's render endpoints use it",
+        "repetition_detection": "ferry does not stop on repeated n-grams",
+        "thinking_token_budget": "ferry has no reasoning controls",
         "structural_tag": "ferry constrains a whole output (response_format, structured_outputs), not tagged parts",
     }
 
@@ -150,6 +166,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}} (checked in
+    # serving_chat with ferry.tools.choice: a bad one is a 400 naming tool_choice)
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None  # OpenAI's tags for stored completions: nothing to do here
@@ -333,6 +353,9 @@ class ChatChoiceLogprobs(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    # [{"index", "id", "type": "function", "function": {"name", "arguments"}}]: id, type and name
+    # in a call's first delta only (ferry.tools.ToolCallDelta.to_openai)
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _without_nones(self, handler):
@@ -361,6 +384,7 @@ class ChatCompletionChunk(BaseModel):
 class ChatMessageOut(BaseModel):
     role: str = "assistant"
     content: str | None
+    tool_calls: list[dict[str, Any]] | None = _only_when_asked()  # ferry.tools.ToolCall.to_openai()
 
 
 class ChatCompletionChoice(BaseModel):
