@@ -510,3 +510,83 @@ def test_every_vllm_field_is_declared_and_every_refused_one_is_a_400(http, endpo
         response = post(http, endpoint, **{name: asking.get(name, {"k": 1})})
         assert response.status_code == 400, (name, response.text)
         assert response.json()["error"]["param"] == name, response.text
+
+
+# Where the effect of each field ferry honours is tested (file::test), and the fields it accepts
+# and documents as doing nothing.
+EFFECT_TESTS = {
+    "messages": "test_server::test_chat", "model": "test_request_fields::test_model_by_name",
+    "prompt": "test_server::test_completion_prompt_forms_and_n", "n": "test_server::test_completion_prompt_forms_and_n",
+    "echo": "test_server::test_echo_logprobs_as_lm_eval_sends_them",
+    "frequency_penalty": "test_sampler::test_frequency_penalty_changes_the_greedy_choice",
+    "presence_penalty": "test_sampler::test_penalties_match_hand_computation",
+    "repetition_penalty": "test_sampler::test_repetition_penalty_matches_hugging_face",
+    "logit_bias": "test_request_fields::test_logit_bias_offline",
+    "logprobs": "test_server::test_chat_logprobs", "top_logprobs": "test_server::test_chat_logprobs",
+    "max_tokens": "test_async_scheduling::test_max_tokens_costs_no_extra_step",
+    "max_completion_tokens": "test_server::test_chat",
+    "response_format": "test_structured_server::test_json_schema_replies_validate",
+    "structured_outputs": "test_structured_server::test_vllm_and_sglang_forms",
+    "guided_json": "test_structured_server::test_vllm_and_sglang_forms",
+    "guided_regex": "test_structured_server::test_vllm_and_sglang_forms",
+    "guided_choice": "test_structured_server::test_vllm_and_sglang_forms",
+    "guided_grammar": "test_structured_server::test_vllm_and_sglang_forms",
+    "seed": "test_server::test_seeds", "stop": "test_server::test_stop_strings",
+    "stream": "test_server::test_chat_stream_is_the_reply_in_pieces",
+    "stream_options": "test_request_fields::test_continuous_usage_stats",
+    "temperature": "test_sampler::test_temperature_sharpens_and_flattens",
+    "top_p": "test_sampler::test_top_p_keeps_the_smallest_set_reaching_p",
+    "top_k": "test_sampler::test_top_k_support_and_frequencies",
+    "min_p": "test_sampler::test_min_p_drops_tokens_below_a_fraction_of_the_top",
+    "tools": "test_tool_calling::test_auto_parses_the_reply",
+    "tool_choice": "test_tool_calling::test_constrained_calls_validate",
+    "parallel_tool_calls": "test_tool_calling::test_parallel_tool_calls_false_gives_one_call",
+    "best_of": "test_request_fields::test_best_of_is_n_or_a_400",
+    "stop_token_ids": "test_engine_text::test_a_stop_token_leaves_its_text_out",
+    "include_stop_str_in_output": "test_engine_text::test_stop_strings_cut_the_text",
+    "ignore_eos": "test_request_fields::test_ignore_eos_runs_past_eos",
+    "min_tokens": "test_scheduler::test_min_tokens_suppresses_eos",
+    "skip_special_tokens": "test_tokenizer::test_decode_matches_transformers",
+    "prompt_logprobs": "test_request_fields::test_completion_prompt_logprobs",
+    "allowed_token_ids": "test_request_fields::test_allowed_token_ids_offline",
+    "bad_words": "test_request_fields::test_bad_words_offline",
+    "add_generation_prompt": "test_tokenizer::test_chat_template_matches_transformers",
+    "chat_template_kwargs": "test_tokenizer::test_chat_template_extra_variables",
+    "return_tokens_as_token_ids": "test_request_fields::test_tokens_as_token_ids",
+    "cache_salt": "test_prefix_cache::test_cached_token_counts_and_salt",
+    "add_special_tokens": "test_request_fields::test_add_special_tokens",
+}
+ACCEPTED_NO_OP = {"user", "guided_decoding_backend"}  # protocol.py says why each changes nothing
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
+def test_every_honoured_vllm_field_has_a_test_of_its_effect(endpoint):
+    import ast
+    from pathlib import Path
+
+    from ferry.server.protocol import ChatCompletionRequest, CompletionRequest
+
+    model = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+    honoured = [n for n in VLLM_FIELDS[endpoint] if n in model.model_fields and n not in model.UNSUPPORTED]
+    missing = [n for n in honoured if n not in EFFECT_TESTS and n not in ACCEPTED_NO_OP]
+    assert not missing, f"honoured without a test of their effect: {missing}"
+    here = Path(__file__).parent
+    for name in honoured:
+        if name in ACCEPTED_NO_OP:
+            continue
+        file, test = EFFECT_TESTS[name].split("::")
+        tree = ast.parse((here / f"{file}.py").read_text())
+        assert any(isinstance(n, ast.FunctionDef) and n.name == test for n in tree.body), EFFECT_TESTS[name]
+
+
+def test_ignore_eos_runs_past_eos():
+    from fake_model import fake_engine, reference_tokens
+    from test_scheduler import run
+
+    prompt = [5, 6, 7]
+    eos = (reference_tokens(prompt, 12)[3],)
+    stopped = run(fake_engine(eos_token_ids=eos), [prompt], SamplingParams(max_tokens=12))["0"].outputs[0]
+    ignored = run(fake_engine(eos_token_ids=eos), [prompt],
+                  SamplingParams(max_tokens=12, ignore_eos=True))["0"].outputs[0]
+    assert stopped.token_ids == reference_tokens(prompt, 12, eos) and stopped.finish_reason == "stop"
+    assert ignored.token_ids == reference_tokens(prompt, 12) and ignored.finish_reason == "length"
