@@ -90,6 +90,10 @@ class SamplingParams:
                 raise ValueError(f"{name} {why}, got {getattr(self, name)!r}")
 
         check(isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1")
+        # A grammar decides where its output ends (once complete it allows only EOS), so a floor
+        # on the length would make it invalid.
+        check(self.structured_outputs is None or not self.min_tokens, "min_tokens",
+              "cannot be used with structured output (the grammar decides where the output ends)")
         check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
         check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
         check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "must be -1, 0 (disabled) or >= 1")

@@ -217,3 +217,9 @@ def test_asynchronous_scheduling_gives_the_same_tokens():
         llm = LLM(async_scheduling=async_scheduling)
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1]
+
+
+def test_min_tokens_with_a_grammar_is_refused():
+    """A complete grammar allows only EOS, which min_tokens would ban: the two do not go together."""
+    with pytest.raises(ValueError, match="min_tokens cannot be used with structured output"):
+        SamplingParams(min_tokens=8, structured_outputs=Structured(choice=("red", "green")))

@@ -114,7 +114,8 @@ class KVCacheManager:
         num_tokens = num_computed + num_new_tokens
         needed = -(-num_tokens // self.block_size) - len(blocks) - len(hit.blocks)
         if needed <= 0 and not hit.blocks:  # the common decode step: the last block has room
-            if self.prefix_cache is not None and num_tokens % self.block_size == 0:
+            # A block boundary crossed (by one token, or by a token and its proposals).
+            if self.prefix_cache is not None and num_tokens // self.block_size > num_computed // self.block_size:
                 self._register_full_blocks(request, blocks, num_tokens)
             return []
         # Shared cached blocks that sit in the free queue stop being free once taken.

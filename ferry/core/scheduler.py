@@ -175,6 +175,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
+        request.draft_token_ids = []  # proposals for a token stream that will be recomputed
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
