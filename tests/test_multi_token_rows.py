@@ -21,6 +21,7 @@ if not torch.cuda.is_available():
 
 from fake_model import expected_next_token, fake_engine, reference_tokens
 from ferry import SamplingParams
+from ferry.spec.replay import ReplayProposer
 from test_scheduler import assert_all_blocks_free, random_prompts, run
 from tiny_tokenizers import save_tiny_tokenizer
 
@@ -173,27 +174,6 @@ def test_stop_strings_inside_an_accepted_run(tmp_path):
 # ---- a real model: logits at every verified position, seeds, logprobs, the decode graphs ----
 
 
-class ReferenceProposer:
-    """Proposes a run's reference continuation (by prompt), wrong every `every`-th proposal."""
-
-    def __init__(self, k: int, reference: dict[tuple[int, ...], list[int]], every: int = 3) -> None:
-        self.num_speculative_tokens = k
-        self.reference = reference
-        self.every = every
-        self.count = 0
-
-    def propose(self, request_ids, prompt_token_ids, output_token_ids):
-        proposals = []
-        for prompt, output in zip(prompt_token_ids, output_token_ids):
-            guess = list(self.reference[tuple(prompt)][len(output):len(output) + self.num_speculative_tokens])
-            for j in range(len(guess)):
-                self.count += 1
-                if self.count % self.every == 0:
-                    guess[j] = (guess[j] + 1) % 500
-            proposals.append(guess)
-        return proposals
-
-
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
     pytest.importorskip("transformers")
@@ -233,7 +213,7 @@ def test_a_real_model_verifying_four_tokens_a_step_equals_single_steps(tiny_qwen
     the rows are computed in batches of other shapes)."""
     single = run(_real_engine(tiny_qwen3, enforce_eager=enforce_eager), REAL_PROMPTS, _real_params())
     reference = {tuple(p): single[str(i)].outputs[0].token_ids for i, p in enumerate(REAL_PROMPTS)}
-    proposer = ReferenceProposer(4, reference)
+    proposer = ReplayProposer(4, reference, wrong_every=3, vocab_size=500)
     engine = _real_engine(tiny_qwen3, proposer, enforce_eager=enforce_eager)
     steps = _steps(engine)
     prepared = []
@@ -287,7 +267,8 @@ def test_the_triton_kernels_verify_too(tiny_qwen3, monkeypatch):
     prompts, params = REAL_PROMPTS[:2], [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)] * 2
     single = run(_real_engine(tiny_qwen3, backend="triton"), prompts, params)
     reference = {tuple(p): single[str(i)].outputs[0].token_ids for i, p in enumerate(prompts)}
-    verified = run(_real_engine(tiny_qwen3, ReferenceProposer(4, reference), backend="triton"), prompts, params)
+    proposer = ReplayProposer(4, reference, wrong_every=3, vocab_size=500)
+    verified = run(_real_engine(tiny_qwen3, proposer, backend="triton"), prompts, params)
     for i in range(len(prompts)):
         assert verified[str(i)].outputs[0].token_ids == single[str(i)].outputs[0].token_ids
     assert 5 in calls

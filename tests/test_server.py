@@ -8,6 +8,7 @@ ChatML template; what is checked is the protocol, not the prose.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -117,6 +118,16 @@ class ServerProcess:
         assert not clean or ("internal error" not in log and "Traceback" not in log), log[-4000:]
 
 
+@contextlib.contextmanager
+def serving(model: Path, log_path: Path, *args: str):
+    """A ready `ferry serve` of `model`, stopped (its log checked clean) on leaving."""
+    proc = ServerProcess(model, log_path, *args)
+    try:
+        yield proc.wait_ready()
+    finally:
+        proc.stop()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_served_model(tmp_path_factory.mktemp("tiny-served-model"))
@@ -125,15 +136,12 @@ def tiny_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def server(tiny_model, tmp_path_factory):
     # max-num-seqs 8: of the 20 requests of the disconnect test, some wait in the queue.
-    proc = ServerProcess(
+    with serving(
         tiny_model, tmp_path_factory.mktemp("logs") / "server.log", "--api-key", API_KEY,
         "--served-model-name", "tiny", "--max-num-seqs", "8", "--max-pending-requests", str(MAX_PENDING),
         "--max-body-bytes", str(MAX_BODY_BYTES),
-    )
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+    ) as proc:
+        yield proc
 
 
 @pytest.fixture()

@@ -223,3 +223,13 @@ def test_min_tokens_with_a_grammar_is_refused():
     """A complete grammar allows only EOS, which min_tokens would ban: the two do not go together."""
     with pytest.raises(ValueError, match="min_tokens cannot be used with structured output"):
         SamplingParams(min_tokens=8, structured_outputs=Structured(choice=("red", "green")))
+
+
+def test_ignore_eos_after_a_complete_grammar_keeps_to_it(llm):
+    """With ignore_eos a sequence goes on after its grammar is complete; the matcher then takes
+    nothing more (not a second EOS, which would put it in an error state and leave the rest of the
+    output unconstrained), so every later token is EOS and the text stays a choice."""
+    (completion,), = _generate(llm, ["My colour is"], SamplingParams(
+        max_tokens=12, temperature=1.0, seed=4, ignore_eos=True, structured_outputs=Structured(choice=("red", "green"))))
+    assert completion.finish_reason == "length" and len(completion.token_ids) == 12
+    assert completion.text in ("red", "green"), completion.text

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from ferry.assets import default_model_path
-from test_server import ServerProcess
+from test_server import serving
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -37,12 +37,9 @@ SCHEMAS = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(default_model_path(), tmp_path_factory.mktemp("logs") / "server.log",
-                         "--served-model-name", "ferry-default")
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+    with serving(default_model_path(), tmp_path_factory.mktemp("logs") / "server.log",
+                 "--served-model-name", "ferry-default") as proc:
+        yield proc
 
 
 @pytest.fixture()

@@ -16,7 +16,7 @@ import json
 import pytest
 
 from ferry.assets import default_model_path
-from test_server import ServerProcess
+from test_server import serving
 
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
@@ -55,13 +55,10 @@ NAMED = [{"type": "function", "function": {"name": name}} for name in PARAMETERS
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    proc = ServerProcess(default_model_path(), tmp_path_factory.mktemp("logs") / "server.log",
-                         "--served-model-name", "ferry-default", "--enable-auto-tool-choice",
-                         "--tool-call-parser", "hermes")
-    try:
-        yield proc.wait_ready()
-    finally:
-        proc.stop()
+    with serving(default_model_path(), tmp_path_factory.mktemp("logs") / "server.log",
+                 "--served-model-name", "ferry-default", "--enable-auto-tool-choice",
+                 "--tool-call-parser", "hermes") as proc:
+        yield proc
 
 
 @pytest.fixture()

@@ -20,29 +20,9 @@ import statistics
 import sys
 import time
 
+from ferry.spec.replay import ReplayProposer
+
 MAX_TOKEN_ID = 10000
-
-
-class OracleProposer:
-    """Proposes a reference run's next tokens, by prompt; with `wrong_every` n, every n-th proposal
-    is off by one token."""
-
-    def __init__(self, k: int, reference: dict[tuple[int, ...], list[int]], wrong_every: int = 0) -> None:
-        self.num_speculative_tokens = k
-        self.reference = reference
-        self.wrong_every = wrong_every
-        self.count = 0
-
-    def propose(self, request_ids, prompt_token_ids, output_token_ids):
-        proposals = []
-        for prompt, output in zip(prompt_token_ids, output_token_ids):
-            guess = list(self.reference[tuple(prompt)][len(output):len(output) + self.num_speculative_tokens])
-            for j in range(len(guess)):
-                self.count += 1
-                if self.wrong_every and self.count % self.wrong_every == 0:
-                    guess[j] = (guess[j] + 1) % MAX_TOKEN_ID
-            proposals.append(guess)
-        return proposals
 
 
 def time_steps(runner, batch: int, context: int, k: int, iters: int) -> tuple[float, float]:
@@ -123,7 +103,7 @@ def check_outputs(runner, config, k: int, num_prompts: int, prompt_len: int, out
     results = []
     for name, wrong_every in (("all proposals right", 0), ("every other proposal wrong", 2)):
         replays["n"] = 0
-        tokens, steps = generate(OracleProposer(k, reference, wrong_every))
+        tokens, steps = generate(ReplayProposer(k, reference, wrong_every, MAX_TOKEN_ID))
         results.append({"case": name, "equal": tokens == single, "steps": steps, "single_steps": single_steps,
                         "verify_graph_replays": replays["n"]})
     runner.proposer = None
@@ -162,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         max_num_seqs=max(args.batch_sizes), cuda_graph_batch_sizes=sorted(set(args.batch_sizes)),
         max_model_len=max(*args.contexts, args.prompt_len + args.output_len) + 2 * (k + 1),
     )
-    runner = build_model_runner(config, OracleProposer(k, {}))
+    runner = build_model_runner(config, ReplayProposer(k, {}))
     runner.proposer = None  # the timings and the single-step run take no proposals
     print(f"{config.model.architecture} ({args.config_dir}), {config.model.dtype}, k = {k}, on {device}")
     if not args.no_timing:

@@ -259,9 +259,10 @@ class ModelRunner:
             return None
         if self.grammars is None:
             raise ValueError("structured output needs the model's tokenizer (tokenizer.json)")
+        from ferry.structured.grammar import advance
+
         matcher = self.grammars.matcher(wanted)
-        if item.output_token_ids:
-            matcher.consume_tokens(item.output_token_ids)
+        advance(matcher, item.output_token_ids)
         return matcher
 
     def _drop_state(self, request_id: str) -> None:

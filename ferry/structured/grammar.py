@@ -13,6 +13,7 @@ The end of the output is the grammar's to say: once it is complete, only an EOS 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -83,6 +84,9 @@ class Grammars:
         self.eos_token_ids = tuple(eos_token_ids)
         self._tokenizer = None
         self._executor = None
+        # Checked grammars by request form: a request's n sequences, the engine's check and its
+        # matchers, and clients that send the same schema again compile it once.
+        self._checked = functools.lru_cache(maxsize=256)(self._check)
         # Threads that fill masks: the host's cores but one (which runs the engine's loop).
         self.threads = max(1, min(16, (os.cpu_count() or 2) - 1))
 
@@ -111,8 +115,7 @@ class Grammars:
 
         def fill(part: list[tuple[object, int, list[int]]]) -> None:
             for matcher, row, tokens in part:
-                if tokens:
-                    matcher.consume_tokens(tokens)
+                advance(matcher, tokens)
                 if not matcher.is_error():
                     matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
 
@@ -129,6 +132,9 @@ class Grammars:
 
     def check(self, params: StructuredOutputsParams) -> str:
         """The compiled grammar text; GrammarError naming the problem when it does not compile."""
+        return self._checked(params)
+
+    def _check(self, params: StructuredOutputsParams) -> str:
         from llguidance import LLMatcher
 
         text = grammar_text(params)
@@ -145,6 +151,17 @@ class Grammars:
         if matcher.is_error():
             raise GrammarError(f"{params.source}: {matcher.get_error()}")
         return matcher
+
+
+def advance(matcher, tokens: list[int]) -> None:
+    """Feed a sequence's new tokens to its matcher. Once its grammar is complete the matcher takes
+    nothing more, not even a second EOS (with ignore_eos a sequence goes on past the first): the
+    tokens after completion are left out, so the mask stays "EOS only" instead of the matcher
+    falling into an error state, which would leave the rest of the output unconstrained."""
+    for token_id in tokens:
+        if matcher.is_stopped():
+            return
+        matcher.consume_token(token_id)
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
