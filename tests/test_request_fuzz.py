@@ -66,6 +66,17 @@ text = st.text(max_size=40)
 token_id = st.integers(min_value=0, max_value=500)  # the tiny model's vocabulary is 512
 flag = st.booleans()
 
+# JSON schemas, small and odd: any type, bounds at the extremes, and schemas that are not schemas.
+SCHEMA = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["object", "string", "integer", "array", "boolean", "null"])}),
+    st.fixed_dictionaries({"type": st.just("string"), "maxLength": ints_in(0, 2**63)}),
+    st.fixed_dictionaries({"type": st.just("array"), "minItems": ints_in(0, 10**6)}),
+    st.fixed_dictionaries({"enum": st.lists(text, max_size=3)}),
+    st.dictionaries(text, text, max_size=2),
+)
+TOOL = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries(
+    {"name": st.sampled_from(["f", "g"]) | text}, optional={"parameters": SCHEMA, "description": text})})
+
 # Each field over its valid domain (what a request may legally say, extremes included) ...
 VALID_SAMPLING = {
     "model": st.just("tiny"),
@@ -92,6 +103,19 @@ VALID_SAMPLING = {
     "bad_words": st.lists(st.text(min_size=1, max_size=6), max_size=3),
     "prompt_logprobs": st.one_of(st.none(), ints_in(0, 20)),
     "return_tokens_as_token_ids": flag,
+    # Structured output: valid forms, and regexes / grammars / choices of any text (most do not
+    # compile: a 400), alone or several at once (also a 400).
+    "response_format": st.one_of(
+        st.just({"type": "text"}), st.just({"type": "json_object"}),
+        st.fixed_dictionaries({"type": st.just("json_schema"),
+                               "json_schema": st.fixed_dictionaries({"name": text, "schema": SCHEMA})})),
+    "structured_outputs": st.one_of(
+        st.fixed_dictionaries({"regex": st.sampled_from(["[0-9]{1,3}", "(yes|no)", "", "a*"]) | text}),
+        st.fixed_dictionaries({"choice": st.lists(text, max_size=4)}),
+        st.fixed_dictionaries({"json": SCHEMA}), st.fixed_dictionaries({"grammar": text}),
+        st.fixed_dictionaries({"json_object": flag})),
+    "guided_choice": st.lists(st.text(min_size=1, max_size=5), min_size=1, max_size=4),
+    "guided_regex": text,
 }
 VALID_COMPLETION = {
     **VALID_SAMPLING,
@@ -116,7 +140,10 @@ VALID_CHAT = {
     "max_completion_tokens": st.one_of(ints_in(1, 8), st.none()),
     "logprobs": flag,
     "top_logprobs": st.one_of(st.none(), ints_in(0, 20)),
-    "tools": st.one_of(st.none(), st.lists(st.dictionaries(text, text, max_size=2), max_size=2)),
+    "tools": st.one_of(st.none(), st.lists(TOOL, max_size=3), st.lists(st.dictionaries(text, text, max_size=2), max_size=2)),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), st.fixed_dictionaries(
+        {"type": st.just("function"), "function": st.fixed_dictionaries({"name": st.sampled_from(["f", "g"]) | text})})),
+    "parallel_tool_calls": flag,
     "add_generation_prompt": flag,
     "chat_template_kwargs": st.one_of(st.none(), st.dictionaries(text, st.one_of(text, st.booleans()), max_size=2)),
 }
@@ -159,7 +186,8 @@ def check(url: str, path: str, body: dict) -> None:
                 assert "error" not in json.loads(event), (event, body)
         else:
             reply = json.loads(raw)
-            assert reply["choices"] and all(c["finish_reason"] in ("stop", "length") for c in reply["choices"]), reply
+            finish_reasons = ("stop", "length", "tool_calls")
+            assert reply["choices"] and all(c["finish_reason"] in finish_reasons for c in reply["choices"]), reply
         # The engine is up, and a plain request still gets its tokens.
         assert client.get("/health").status_code == 200
         normal = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "ignore_eos": True})
