@@ -36,11 +36,11 @@ def _layer(n, k, bias, dtype, seed=0):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("config", gemv.CANDIDATES, ids=str)
-# Ragged K (a last tile partly masked), output columns not a multiple of BLOCK_N, 1 to 4 rows, 3
-# rows padded to a block of 4, and K spanning several tiles.
+@pytest.mark.parametrize("config", gemv.CANDIDATES + gemv.FEW_ROW_CANDIDATES, ids=str)
+# Ragged K (a last tile partly masked), output columns not a multiple of BLOCK_N, 1 to 8 rows, 3
+# and 5 rows in blocks of 4 and 8 (the rest skipped), and K spanning several tiles.
 @pytest.mark.parametrize("rows,n,k,bias", [(1, 48, 200, False), (3, 100, 64, True), (4, 64, 1024, False),
-                                           (2, 37, 2500, True)])
+                                           (2, 37, 2500, True), (5, 40, 300, True), (8, 24, 512, False)])
 def test_gemv_matches_linear(rows, n, k, bias, config, dtype):
     weight, b = _layer(n, k, bias, dtype)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)
@@ -64,16 +64,16 @@ def test_linear_uses_each_configuration_for_its_rows_only(monkeypatch):
     calls = []
     real = gemv.gemv
     monkeypatch.setattr(gemv, "gemv", lambda *a: calls.append((a[0].shape[0], a[3])) or real(*a))
-    one, few = gemv.CANDIDATES[0], gemv.CANDIDATES[1]
-    layer.gemv_one_row, layer.gemv_few_rows, layer.gemv_max_rows = one, few, gemv.MAX_ROWS
+    one, few, more = gemv.CANDIDATES[0], gemv.CANDIDATES[1], gemv.CANDIDATES[2]
+    layer.gemv_buckets = ((1, one), (4, few), (8, more))
     tol = TOLERANCE[DTYPES[-1]]
-    for rows in (1, 2, gemv.MAX_ROWS, gemv.MAX_ROWS + 1):
+    for rows in (1, 2, 4, 5, 8, 9):
         x = torch.randn(rows, 64, device=DEVICE).to(DTYPES[-1])
         torch.testing.assert_close(layer(x).float(), torch.nn.functional.linear(x, layer.weight, layer.bias).float(),
                                    atol=tol, rtol=tol)
-    assert calls == [(1, one), (2, few), (gemv.MAX_ROWS, few)]
+    assert calls == [(1, one), (2, few), (4, few), (5, more), (8, more)]
     calls.clear()
-    layer.gemv_few_rows = None  # cuBLAS for a few rows, the GEMV still for one
+    layer.gemv_buckets = ((1, one), (4, None), (8, more))  # cuBLAS for a few rows, the GEMV still for one
     layer(torch.randn(2, 64, device=DEVICE).to(DTYPES[-1]))
     layer(torch.randn(1, 64, device=DEVICE).to(DTYPES[-1]))
     assert calls == [(1, one)]
@@ -108,13 +108,13 @@ def test_the_fastest_path_must_win_clearly():
 
 def test_float32_layers_keep_cublas():
     weight = torch.zeros(8, 8)  # no timing happens: the dtype decides
-    assert gemv.tune(weight, None) == (None, None, False)
+    assert gemv.tune(weight, None) == (tuple((rows, None) for rows in gemv.ROW_BUCKETS), False)
 
 
 def test_tuning_leaves_cpu_models_alone():
     model = torch.nn.Sequential(Linear(8, 8), Linear(8, 4))
     tune_small_batch(model)
-    assert all(layer.gemv_one_row is None and layer.gemv_few_rows is None for layer in model)
+    assert all(layer.gemv_buckets == () for layer in model)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="tuning times kernels on a GPU")
@@ -122,7 +122,7 @@ def test_tuning_chooses_per_shape_and_keeps_results():
     model = torch.nn.Sequential(Linear(2048, 1024, bias=False), Linear(1024, 4096, bias=False),
                                 Linear(2048, 1024, bias=False)).to(DEVICE, torch.bfloat16)
     times = gemv.measure(model[0].weight, None)
-    assert all(0 < times[rows, None] < 1e-3 for rows in (1, gemv.MAX_ROWS))  # cuBLAS, timed
+    assert all(0 < times[rows, None] < 1e-3 for rows in gemv.ROW_BUCKETS)  # cuBLAS, timed
     assert any(times[1, c] < float("inf") for c in gemv.CANDIDATES)  # the candidates run and agree
     tune_small_batch(model)
     copies = gemv.cold_copies(model[0].weight)
@@ -137,7 +137,7 @@ def test_tuning_chooses_per_shape_and_keeps_results():
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows,k", [(1, 200), (3, 1024), (4, 700)])
+@pytest.mark.parametrize("rows,k", [(1, 200), (3, 1024), (4, 700), (5, 300)])
 def test_gemv_applies_silu_and_mul_to_its_input(rows, k, dtype):
     """down_proj(silu(gate) * up) in one kernel equals the activation then the product, with the
     activation rounded to the dtype as the separate kernel rounds it."""
@@ -146,7 +146,7 @@ def test_gemv_applies_silu_and_mul_to_its_input(rows, k, dtype):
     gate, up = gate_up.float().chunk(2, dim=-1)
     act = (torch.nn.functional.silu(gate).to(dtype).float() * up).to(dtype)
     tol = TOLERANCE[dtype]
-    for config in gemv.CANDIDATES[:2]:
+    for config in (*gemv.CANDIDATES[:2], *gemv.FEW_ROW_CANDIDATES[:2]):
         torch.testing.assert_close(gemv.gemv(gate_up, weight, b, config, silu_mul=True).float(),
                                    torch.nn.functional.linear(act, weight, b).float(), atol=tol, rtol=tol)
 
@@ -160,7 +160,7 @@ def test_linear_fuses_the_activation_only_where_the_gemv_runs(monkeypatch):
         gate, up = gate_up.chunk(2, dim=-1)
         return torch.nn.functional.silu(gate) * up
 
-    layer.gemv_one_row, layer.gemv_max_rows = gemv.CANDIDATES[0], gemv.MAX_ROWS
+    layer.gemv_buckets = ((1, gemv.CANDIDATES[0]),)
     tol = TOLERANCE[DTYPES[-1]]
     for rows in (1, 2):
         gate_up = torch.randn(rows, 128, device=DEVICE).to(DTYPES[-1])
@@ -170,7 +170,8 @@ def test_linear_fuses_the_activation_only_where_the_gemv_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows,k,with_residual", [(1, 200, True), (3, 1024, True), (2, 700, False), (4, 2500, True)])
+@pytest.mark.parametrize("rows,k,with_residual", [(1, 200, True), (3, 1024, True), (2, 700, False), (4, 2500, True),
+                                                   (6, 300, True)])
 def test_gemv_applies_the_rms_norm_to_its_input(rows, k, with_residual, dtype):
     """linear(rms_norm(x + residual)) in one kernel equals RMSNorm (Hugging Face's rounding) then the
     product, and the new residual stream is x + residual rounded to the dtype (x without one)."""
@@ -222,8 +223,7 @@ def test_decode_through_the_gemv_matches_the_layers_without_it(arch, tmp_path, m
     for config_for_rows in (None, gemv.CANDIDATES[0]):
         for layer in model.modules():
             if isinstance(layer, Linear):
-                layer.gemv_one_row, layer.gemv_fuses_norm = config_for_rows, config_for_rows is not None
-                layer.gemv_max_rows = gemv.MAX_ROWS
+                layer.gemv_buckets, layer.gemv_fuses_norm = ((1, config_for_rows),), config_for_rows is not None
         positions, metadata = flat_batch([(6, 1)], [[0, 1]], block_size)  # the 7th token of a request
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             setattr(metadata, name, getattr(metadata, name).to(DEVICE))
@@ -245,8 +245,7 @@ def test_the_norm_runs_inside_the_gemv_only_where_tuning_said_so(monkeypatch):
     calls = []
     real = gemv.gemv_rms_norm
     monkeypatch.setattr(gemv, "gemv_rms_norm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    layer.gemv_one_row = layer.gemv_few_rows = gemv.CANDIDATES[0]
-    layer.gemv_max_rows = gemv.MAX_ROWS
+    layer.gemv_buckets = ((1, gemv.CANDIDATES[0]), (4, gemv.CANDIDATES[0]))
     x = torch.randn(2, 64, device=DEVICE).to(DTYPES[-1])
     for fuses, rows in ((False, 1), (True, 2), (True, 1)):
         layer.gemv_fuses_norm = fuses
@@ -282,8 +281,7 @@ def test_tuning_checks_every_variant_it_will_run(monkeypatch):
 
 def test_empty_batches_take_the_usual_path():
     layer = Linear(64, 48, bias=False).to(DEVICE, DTYPES[-1])
-    layer.gemv_one_row = layer.gemv_few_rows = gemv.CANDIDATES[0]
-    layer.gemv_max_rows = gemv.MAX_ROWS
+    layer.gemv_buckets = ((1, gemv.CANDIDATES[0]), (4, gemv.CANDIDATES[0]))
     assert layer(torch.empty(0, 64, device=DEVICE, dtype=DTYPES[-1])).shape == (0, 48)
 
 

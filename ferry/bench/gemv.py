@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
                 times = gemv.measure(weight, None)
             floor = weight.nbytes / bandwidth
             print(f"\n{model} {name} {n} x {k} ({weight.nbytes / 1e6:.1f} MB, floor {floor * 1e6:.2f} us)")
-            for rows in (1, gemv.MAX_ROWS):
+            for rows in gemv.ROW_BUCKETS:
                 ranked = sorted((t, c is None, _name(c)) for (r, c), t in times.items() if r == rows)
                 cublas = times[rows, None]
                 shown = [row for row in ranked if not row[1]][:args.top] + [row for row in ranked if row[1]]
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
                           f"{cublas / t:5.2f}x cuBLAS")
             if input_op is not None:  # the layer as the model runs it, with the op that feeds it
                 copies = gemv.cold_copies(weight)
-                for rows in (1, gemv.MAX_ROWS):
+                for rows in gemv.ROW_BUCKETS:
                     with torch.inference_mode():
                         paths = gemv.path_times(weight, None, input_op, rows, copies)
                     chosen = gemv.fastest_path(paths)

@@ -18,9 +18,15 @@ many programs of a few output columns each (BLOCK_N 2 to 16), each loading a who
 BLOCK_K tile at once. No split over K either: each program owns its outputs, so there is no second
 pass, no float atomics, and the result is the same from run to run.
 
+From four rows on, that kernel runs out of arithmetic (its time grows with the rows), and a second
+one (`_gemv_mma_kernel`) does the product on tensor cores, turned around: the weight's rows on the
+MMA's wide side, the batch's few rows on its narrow one, padded to 16.
+
 Which configuration, if any, beats cuBLAS is measured at startup for every distinct layer shape
-(`tune`), in CUDA graphs as decode replays them, separately for one row and for a few rows (two to
-MAX_ROWS): at four rows cuBLAS's tensor-core kernels often win back what they lose at one.
+(`tune`), in CUDA graphs as decode replays them, separately for each bucket of row counts
+(ROW_BUCKETS): one row, a small decode batch, and a verify step's request with its proposals. At
+four rows cuBLAS's tensor-core kernels often win back what they lose at one. Rows past the batch's
+count in a block of rows are skipped, not computed and dropped: five rows cost five, not eight.
 A layer fed by a small op is timed together with it, as the model runs it (`path_times`).
 
 At decode batch sizes the small ops between the projections cost more in launches than in work,
@@ -54,9 +60,11 @@ from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previo
 
 logger = logging.getLogger(__name__)
 
-# Batches up to this many rows may run the GEMV (Linear dispatches them here once tuned); the "few
-# rows" bucket is timed at this many rows, its worst case.
-MAX_ROWS = 4
+# Batches of up to MAX_ROWS rows may run the GEMV (Linear dispatches them here once tuned), in
+# buckets of row counts, each timed at its largest (its worst case): one row (decode at batch 1), two
+# to four (small decode batches), five to eight (a request verifying four proposals: five rows).
+ROW_BUCKETS = (1, 4, 8)
+MAX_ROWS = ROW_BUCKETS[-1]
 # A GEMV path replaces cuBLAS only when it takes at most this fraction of cuBLAS's time. Replayed
 # from CUDA graphs, 320 calls at a time, the timings repeat within about 1%: a 3% win is real,
 # and at batch 1 a few percent on each of a large model's big layers add up to a tenth of a step.
@@ -68,17 +76,33 @@ class GemvConfig:
     block_n: int
     block_k: int
     num_warps: int = 4
+    # On tensor cores (_gemv_mma_kernel), with this many K tiles in flight: for two rows or more,
+    # without the norm.
+    tensor_cores: bool = False
+    num_stages: int = 1
 
     def __str__(self) -> str:
+        if self.tensor_cores:
+            return f"MMA {self.block_n}x{self.block_k} ({self.num_warps} warps, {self.num_stages} stages)"
         return f"GEMV {self.block_n}x{self.block_k} ({self.num_warps} warps)"
 
 
 # Few, because each compiles at startup: the fastest over Qwen3-0.6B's and Llama-3.1-8B's layer shapes
-# on an H200, at one and four rows (`python -m ferry.bench.gemv` times them all).
+# on an H200, at one, four and eight rows (`python -m ferry.bench.gemv` times them all).
 CANDIDATES = (
     GemvConfig(2, 1024, 4), GemvConfig(2, 2048, 8), GemvConfig(4, 512, 4), GemvConfig(4, 1024, 4),
     GemvConfig(8, 2048, 8), GemvConfig(16, 1024, 8),
 )
+# For two rows or more, also the tensor-core kernel, its batch rows padded to MMA_ROWS.
+MMA_ROWS = 16
+FEW_ROW_CANDIDATES = (
+    GemvConfig(16, 256, 4, True, 3), GemvConfig(32, 256, 4, True, 3), GemvConfig(32, 128, 4, True, 4),
+    GemvConfig(64, 128, 4, True, 4), GemvConfig(16, 512, 4, True, 2),
+)
+
+
+def candidates(rows: int) -> tuple[GemvConfig, ...]:
+    return CANDIDATES if rows == 1 else CANDIDATES + FEW_ROW_CANDIDATES
 
 
 @triton.jit
@@ -127,11 +151,12 @@ def _accumulate(
     rows = tl.arange(0, BLOCK_M)
     ks = k0 + tl.arange(0, BLOCK_K)
     for r in tl.static_range(BLOCK_M):
-        x = _input_tile(
-            x_ptr, residual_ptr, residual_out_ptr, norm_ptr, r, ks, (ks < k) & (r < m), k, stride_xm, stride_rm,
-            tl.sum(tl.where(rows == r, inv_rms, 0.0)), owner, SILU_MUL, NORM, HAS_RESIDUAL,
-        )
-        acc = tl.where(rows[:, None] == r, acc + tl.sum(w * x[None, :], axis=1)[None, :], acc)
+        if r < m:  # the block's rows past the batch's are skipped
+            x = _input_tile(
+                x_ptr, residual_ptr, residual_out_ptr, norm_ptr, r, ks, ks < k, k, stride_xm, stride_rm,
+                tl.sum(tl.where(rows == r, inv_rms, 0.0)), owner, SILU_MUL, NORM, HAS_RESIDUAL,
+            )
+            acc = tl.where(rows[:, None] == r, acc + tl.sum(w * x[None, :], axis=1)[None, :], acc)
     return acc
 
 
@@ -155,17 +180,18 @@ def _gemv_kernel(
     inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:  # a first pass over each row for its RMS (x is a few KB: it comes from cache)
         for r in tl.static_range(BLOCK_M):
-            sum_sq = 0.0
-            for k0 in range(0, k, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                mask = (ks < k) & (r < m)
-                x = tl.load(x_ptr + r * stride_xm + ks, mask=mask, other=0.0)
-                if HAS_RESIDUAL:
-                    s = x.to(tl.float32) + tl.load(residual_ptr + r * stride_rm + ks, mask=mask, other=0.0).to(tl.float32)
-                    x = s.to(x.dtype)
-                x = x.to(tl.float32)
-                sum_sq += tl.sum(x * x)
-            inv_rms = tl.where(rows == r, tl.rsqrt(sum_sq / k + eps), inv_rms)
+            if r < m:
+                sum_sq = 0.0
+                for k0 in range(0, k, BLOCK_K):
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    mask = ks < k
+                    x = tl.load(x_ptr + r * stride_xm + ks, mask=mask, other=0.0)
+                    if HAS_RESIDUAL:
+                        s = x.to(tl.float32) + tl.load(residual_ptr + r * stride_rm + ks, mask=mask, other=0.0).to(tl.float32)
+                        x = s.to(x.dtype)
+                    x = x.to(tl.float32)
+                    sum_sq += tl.sum(x * x)
+                inv_rms = tl.where(rows == r, tl.rsqrt(sum_sq / k + eps), inv_rms)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc = _accumulate(acc, w, 0, x_ptr, residual_ptr, residual_out_ptr, norm_ptr, m, k, stride_xm, stride_rm,
                       inv_rms, pid == 0, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RESIDUAL)
@@ -177,6 +203,51 @@ def _gemv_kernel(
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     mask = (rows[:, None] < m) & col_ok[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["m"])
+def _gemv_mma_kernel(
+    x_ptr, w_ptr, bias_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+):
+    """y = x @ W^T for a few rows on tensor cores, the product turned around so that the weight's
+    rows take the MMA's wide side and the batch's rows its narrow one (padded to BLOCK_M = 16):
+
+        program n:  acc (BLOCK_N, BLOCK_M) += W[BLOCK_N rows, K tile] @ x[:, K tile]^T
+                    y[:, BLOCK_N columns] = acc^T
+
+    The loop's loads are pipelined (num_stages tiles in flight), which keeps the weights streaming
+    where the FMA kernel above runs out of arithmetic at four rows and more."""
+    let_next_kernel_start(PDL)
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    rows = tl.arange(0, BLOCK_M)
+    wait_for_previous_kernel(PDL)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
+        if EVEN_K:  # a mask that is constant along K keeps the loads vectorized
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+        else:
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks[None, :] < k), other=0.0)
+        x_mask = (rows[None, :] < m) & (ks[:, None] < k)
+        x_ptrs = x_ptr + rows[None, :] * stride_xm + ks[:, None]  # x^T: (BLOCK_K, BLOCK_M)
+        xt = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if SILU_MUL:  # x holds gate then up, rounded as the activation's own kernel rounds
+            g = xt.to(tl.float32)
+            up = tl.load(x_ptrs + k, mask=x_mask, other=0.0).to(tl.float32)
+            xt = ((g / (1.0 + tl.exp(-g))).to(xt.dtype).to(tl.float32) * up).to(xt.dtype)
+        if w.dtype == tl.float32:  # (tests: exact products, not TF32)
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt.to(w.dtype), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    mask = (rows[None, :] < m) & col_ok[:, None]
+    tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 def gemv(
@@ -208,6 +279,15 @@ def _launch(x, weight, bias, config, silu_mul=False, residual=None, residual_out
     assert k > 0 and x.stride(-1) == 1 and weight.stride(-1) == 1  # (the first weight tile is read unmasked)
     assert residual is None or (residual.stride(-1) == 1 and residual.stride(0) == residual_out.stride(0))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if config.tensor_cores:
+        assert norm is None and m <= MMA_ROWS, "the tensor-core GEMV takes no norm, and at most MMA_ROWS rows"
+        _gemv_mma_kernel[(triton.cdiv(n, config.block_n),)](
+            x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), n,
+            HAS_BIAS=bias is not None, BLOCK_M=MMA_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            EVEN_K=k % config.block_k == 0, SILU_MUL=silu_mul, num_warps=config.num_warps,
+            num_stages=config.num_stages, **pdl_launch(x.device),
+        )
+        return y
     norm_weight, eps = norm if norm is not None else (weight, 0.0)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         x, weight, bias if bias is not None else weight, y,
@@ -227,21 +307,26 @@ DTYPES = (torch.bfloat16, torch.float16)
 Timings = dict[tuple[int, GemvConfig | None], float]  # (rows, config or None for cuBLAS) -> seconds
 
 
-def tune(
-    weight: torch.Tensor, bias: torch.Tensor | None, input_op: str | None = None,
-) -> tuple[GemvConfig | None, GemvConfig | None, bool]:
-    """The configurations this layer should use for one row and for a few rows (None: cuBLAS), and
+Buckets = tuple[tuple[int, GemvConfig | None], ...]  # (up to this many rows, config or None for cuBLAS)
+
+
+def tune(weight: torch.Tensor, bias: torch.Tensor | None, input_op: str | None = None) -> tuple[Buckets, bool]:
+    """The configuration this layer should use for each bucket of ROW_BUCKETS (None: cuBLAS), and
     whether at one row its RMSNorm runs inside the GEMV. Each is the fastest way to run the layer
     together with the op that feeds it (`input_op`), as the model runs it: cuBLAS after the op's own
     kernel, or the GEMV after it, or the GEMV with the op inside (`path_times`)."""
     assert input_op in (None, "rms_norm", "silu_and_mul"), input_op
     if weight.dtype not in DTYPES:
-        return None, None, False
+        return tuple((rows, None) for rows in ROW_BUCKETS), False
     copies = cold_copies(weight)
-    one_row, fuses_norm = _fastest_that_agrees(weight, bias, path_times(weight, bias, input_op, 1, copies), (1,))
-    few_times = path_times(weight, bias, input_op, MAX_ROWS, copies)
-    few_rows, _ = _fastest_that_agrees(weight, bias, few_times, tuple(range(2, MAX_ROWS + 1)))
-    return one_row, few_rows, fuses_norm
+    buckets, fuses_norm, low = [], False, 1
+    for rows in ROW_BUCKETS:
+        times = path_times(weight, bias, input_op, rows, copies)
+        config, inside = _fastest_that_agrees(weight, bias, times, tuple(range(low, rows + 1)))
+        buckets.append((rows, config))
+        fuses_norm = fuses_norm or inside  # (only one row times the norm inside)
+        low = rows + 1
+    return tuple(buckets), fuses_norm
 
 
 def _fastest_that_agrees(
@@ -284,7 +369,7 @@ def path_times(
         return silu_and_mul(x) if input_op == "silu_and_mul" else x
 
     paths = {(None, False): lambda w: linear(op(x), w, bias)}
-    for config in CANDIDATES:
+    for config in candidates(rows):
         if input_op == "silu_and_mul":
             paths[config, False] = lambda w, c=config: gemv(x, w, bias, c, silu_mul=True)
         else:
@@ -366,16 +451,16 @@ def cold_copies(weight: torch.Tensor) -> list[torch.Tensor]:
 
 
 def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Timings:
-    """Seconds per call of cuBLAS and of every candidate, the plain layer at 1 and MAX_ROWS rows,
+    """Seconds per call of cuBLAS and of every candidate, the plain layer at each bucket's largest row count,
     replayed from CUDA graphs; inf for a candidate that does not run here or computes something else
     (`python -m ferry.bench.gemv` prints them)."""
     copies = cold_copies(weight)
     times: Timings = {}
-    for rows in (1, MAX_ROWS):
+    for rows in ROW_BUCKETS:
         x = torch.randn(rows, weight.shape[1], device=weight.device, dtype=weight.dtype)
         expected = torch.nn.functional.linear(x, weight, bias)
         times[rows, None] = _graph_time(lambda w: torch.nn.functional.linear(x, w, bias), copies)
-        for config in CANDIDATES:
+        for config in candidates(rows):
             times[rows, config] = float("inf")
             try:
                 y = gemv(x, weight, bias, config)
@@ -389,7 +474,8 @@ def measure(weight: torch.Tensor, bias: torch.Tensor | None) -> Timings:
 def choose(times: Timings, rows: int, margin: float = WIN_MARGIN) -> GemvConfig | None:
     """The fastest candidate at `rows` rows if it takes at most `margin` of cuBLAS's time there
     (a clear win, not noise); else None."""
-    return fastest_path({(config, False): times[rows, config] for config in (None, *CANDIDATES)}, margin)[0]
+    return fastest_path({(config, False): times[rows, config] for config in (None, *candidates(rows))
+                         if (rows, config) in times}, margin)[0]
 
 
 def _graph_time(fn, weights: list[torch.Tensor], calls: int = 32, replays: int = 10) -> float:

@@ -27,12 +27,10 @@ logger = logging.getLogger(__name__)
 
 
 class Linear(nn.Linear):
-    # Set by tune_small_batch: the GEMV configurations for one row and for two to gemv_max_rows rows
-    # (None: cuBLAS), gemv.MAX_ROWS (0 until tuned: larger batches reuse the weights across rows,
-    # where cuBLAS's tensor-core kernels win).
-    gemv_max_rows = 0
-    gemv_one_row: GemvConfig | None = None
-    gemv_few_rows: GemvConfig | None = None
+    # Set by tune_small_batch: (up to this many rows, GEMV configuration or None for cuBLAS) for each
+    # bucket of gemv.ROW_BUCKETS, in order; empty until tuned. Larger batches reuse the weights
+    # across rows, where cuBLAS's tensor-core kernels win.
+    gemv_buckets: tuple[tuple[int, GemvConfig | None], ...] = ()
     gemv_fuses_norm = False  # at one row, forward_rms_norm normalizes inside the GEMV
     # The small op that feeds this layer in the model ("rms_norm": forward_rms_norm, "silu_and_mul":
     # forward_silu_and_mul), set by the model: tuning times the layer together with it.
@@ -67,9 +65,12 @@ class Linear(nn.Linear):
         return self(h), residual
 
     def _gemv_config(self, x: torch.Tensor) -> GemvConfig | None:
-        if x.dim() != 2 or not 0 < x.shape[0] <= self.gemv_max_rows:
+        if x.dim() != 2 or x.shape[0] == 0:
             return None
-        return self.gemv_one_row if x.shape[0] == 1 else self.gemv_few_rows
+        for rows, config in self.gemv_buckets:
+            if x.shape[0] <= rows:
+                return config
+        return None
 
 
 def _gemv():
@@ -84,7 +85,7 @@ def tune_small_batch(model: nn.Module) -> None:
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     if not layers or layers[0].weight.device.type != "cuda":
         return
-    choices: dict[tuple, tuple[GemvConfig | None, GemvConfig | None, bool]] = {}
+    choices: dict[tuple, tuple[tuple[tuple[int, GemvConfig | None], ...], bool]] = {}
     for layer in layers:
         key = (*layer.weight.shape, layer.weight.dtype, layer.bias is not None, layer.input_op)
         if key not in choices:
@@ -93,13 +94,17 @@ def tune_small_batch(model: nn.Module) -> None:
                     choices[key] = _gemv().tune(layer.weight, layer.bias, layer.input_op)
             except Exception as e:  # an optimization: cuBLAS serves every shape anyway
                 logger.warning("small-batch GEMV tuning failed for %s, using cuBLAS: %s", key, e)
-                choices[key] = (None, None, False)
-        layer.gemv_one_row, layer.gemv_few_rows, layer.gemv_fuses_norm = choices[key]
-        layer.gemv_max_rows = _gemv().MAX_ROWS
-    for key, (one, few, fuses_norm) in choices.items():
+                choices[key] = ((), False)
+        layer.gemv_buckets, layer.gemv_fuses_norm = choices[key]
+    for key, (buckets, fuses_norm) in choices.items():
         after = f" after {key[4]}" if key[4] else ""
-        logger.info("linear %s x %s%s: 1 row %s%s; 2-%d rows %s", key[0], key[1], after, one or "cuBLAS",
-                    " (RMSNorm inside)" if fuses_norm else "", _gemv().MAX_ROWS, few or "cuBLAS")
+        chosen, low = [], 1
+        for rows, config in buckets:
+            span = f"{low} row" if rows == 1 else f"{low}-{rows} rows"
+            inside = " (RMSNorm inside)" if rows == 1 and fuses_norm else ""
+            chosen.append(f"{span} {config or 'cuBLAS'}{inside}")
+            low = rows + 1
+        logger.info("linear %s x %s%s: %s", key[0], key[1], after, "; ".join(chosen))
 
 
 class MergedLinear(Linear):
