@@ -205,8 +205,8 @@ def test_the_bitmask_kernel_matches_its_reference():
 
 def test_asynchronous_scheduling_gives_the_same_tokens():
     """With asynchronous scheduling the next step's forward is queued before this step's tokens are
-    known; its masks wait for them (ModelRunner._advance_grammars), and the tokens are those of
-    synchronous steps."""
+    known; its masks wait for them (ModelRunner._advance_grammars), its sampling waits for its masks
+    (queued at the next call into the runner), and the tokens are those of synchronous steps."""
     prompts = ["Tell me about a person:", "Someone else:", "The weather today"]
     params = [SamplingParams(max_tokens=60, temperature=0.8, seed=i, structured_outputs=Structured(json=json.dumps(s)))
               for i, s in enumerate(SCHEMAS[:3])]
@@ -217,6 +217,35 @@ def test_asynchronous_scheduling_gives_the_same_tokens():
         llm = LLM(async_scheduling=async_scheduling)
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
     assert runs[0] == runs[1]
+
+
+def test_masks_fill_while_the_engine_processes_the_step_before(monkeypatch):
+    """With asynchronous scheduling a step's masks are filled while the engine collects the step
+    before it and turns its tokens into outputs; the step's sampling is queued after that, when the
+    engine next calls the runner. So every masked sampling follows an output processing that came
+    after its masks began, and nothing else samples in between."""
+    from ferry.engine.output_processor import OutputProcessor
+    from ferry.sample.sampler import Sampler
+    from ferry.structured.grammar import Grammars
+
+    events = []
+    for owner, name, label in ((Grammars, "start_masks", "masks"), (OutputProcessor, "process", "process"),
+                               (Sampler, "choose", "sample")):
+        def wrapped(*args, real=getattr(owner, name), label=label, **kwargs):
+            events.append(label)
+            return real(*args, **kwargs)
+        monkeypatch.setattr(owner, name, wrapped)
+    llm = LLM(async_scheduling=True)
+    params = SamplingParams(max_tokens=12, temperature=0, structured_outputs=Structured(json=json.dumps(SCHEMAS[0])))
+    (completion,), = _generate(llm, ["Tell me about a person:"], params)
+    if completion.finish_reason == "stop":
+        jsonschema.validate(json.loads(completion.text), SCHEMAS[0])
+    decode = events[events.index("masks"):]  # from the first step's masks on
+    masked = [i for i, e in enumerate(decode) if e == "masks"]
+    assert len(masked) >= 10
+    # (The first step has no step before it to process, and the last none after it to overlap with.)
+    for i in masked[1:-1]:
+        assert decode[i + 1:i + 3] == ["process", "sample"], decode[i:i + 4]
 
 
 def test_min_tokens_with_a_grammar_is_refused():
@@ -233,3 +262,19 @@ def test_ignore_eos_after_a_complete_grammar_keeps_to_it(llm):
         max_tokens=12, temperature=1.0, seed=4, ignore_eos=True, structured_outputs=Structured(choice=("red", "green"))))
     assert completion.finish_reason == "length" and len(completion.token_ids) == 12
     assert completion.text in ("red", "green"), completion.text
+
+
+def test_host_bitmasks_are_kept_and_taken_in_turn():
+    """Two host buffers, taken in turn, grown when a step has more rows, and copied out (on a CPU,
+    a copy made at once, so that the buffer can be taken again while the copy is in use)."""
+    from ferry.structured.bitmask import HostBitmasks
+
+    masks = HostBitmasks(100, torch.device("cpu"))
+    a, b, c = masks.take(3), masks.take(3), masks.take(2)
+    assert a.shape == (3, 4) and a.dtype == torch.int32 and a.is_contiguous()
+    assert a.data_ptr() != b.data_ptr() and a.data_ptr() == c.data_ptr()
+    c.fill_(7)
+    copied = masks.to_device(c)
+    c.fill_(0)
+    assert torch.equal(copied, torch.full((2, 4), 7, dtype=torch.int32))
+    assert masks.take(200).shape == (200, 4)  # grown

@@ -29,6 +29,7 @@ import importlib.util
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import TYPE_CHECKING, Any
@@ -43,6 +44,7 @@ from ferry.executor.inputs import ModelInputs, fill_block_table
 from ferry.sample import SamplerOutput, SamplingRow, request_generator
 from ferry.sample.logprobs import score_tokens
 from ferry.sampling_params import SamplingParams
+from ferry.structured.bitmask import HostBitmasks
 from ferry.transfer import to_device
 
 if TYPE_CHECKING:
@@ -86,6 +88,23 @@ class LaunchedStep:
     grammars_advanced: bool = False  # its tokens already went to its requests' grammar matchers
 
 
+@dataclass
+class _Masks:
+    bitmask: torch.Tensor  # (rows, words) on the host, being filled
+    work: Future | None  # the filling (Grammars.start_masks); None when no row has a live grammar
+
+
+@dataclass
+class _WaitingSample:
+    """A launched step's sampling, not queued yet."""
+
+    step: LaunchedStep
+    logits: torch.Tensor  # (rows, vocab) on the device
+    rows: list[SamplingRow]
+    drafts: list[list[int]]  # each request's proposals
+    masks: _Masks | None
+
+
 class ModelRunner:
     """The in-process, one-device `Executor` (executor.py)."""
 
@@ -118,6 +137,9 @@ class ModelRunner:
         # The last launched step while it is not collected: a grammar's mask for the next step
         # follows its tokens (see _advance_grammars).
         self._uncollected: LaunchedStep | None = None
+        # The launched step whose sampling waits for its grammars' masks, being filled meanwhile.
+        self._waiting: _WaitingSample | None = None
+        self._bitmasks: HostBitmasks | None = None
 
     @property
     def num_kv_blocks(self) -> int:
@@ -129,6 +151,9 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Drop the model, the KV cache and the graphs, so that their device memory can be freed."""
+        if self._waiting is not None and self._waiting.masks.work is not None:
+            self._waiting.masks.work.result()  # (the work writes into the matchers and a host buffer)
+        self._waiting = None
         self.decode_graphs = None
         self.kv_caches = []
         self.model = None
@@ -145,7 +170,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
-        """Queue one step's forward and sampling on the device; no wait for the device."""
+        """Queue one step's forward and sampling on the device; no wait for the device. (A step whose
+        requests have grammars queues its sampling later, when its masks are ready: see sample.)"""
+        self._sample_waiting()
         self.update_states(scheduler_output)
         if scheduler_output.copy_blocks:
             self.copy_blocks(scheduler_output.copy_blocks)
@@ -168,6 +195,8 @@ class ModelRunner:
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's tokens and return its output."""
+        if self._waiting is not None and self._waiting.step is step:
+            self._sample_waiting()
         if self._uncollected is step:
             self._uncollected = None
         if step.output is not None:
@@ -195,8 +224,7 @@ class ModelRunner:
     def _advance_grammars(self, states: list[_RequestState]) -> None:
         """Before the masks of a step whose requests have grammars: the tokens of the step before it,
         if it is still uncollected (asynchronous scheduling), go to their matchers now. This step's
-        forward is already queued, so the device runs it while the host waits for those tokens and
-        then computes the masks; only the sampling waits for them."""
+        forward is already queued, so the device runs it while the host waits for those tokens."""
         step = self._uncollected
         if step is None or step.grammars_advanced:
             return
@@ -359,37 +387,58 @@ class ModelRunner:
 
     def sample(self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor) -> LaunchedStep:
         """Queue the sampling of every row of `logits` (one per request that samples, or 1 + its
-        proposals), and of a verify step the count of accepted proposals."""
+        proposals), and of a verify step the count of accepted proposals.
+
+        When some of the requests have grammars, their matchers take their new tokens here, and
+        their masks are then filled in a thread (structured/grammar.py); the sampling is queued when
+        they are done, at the next call into the runner (the next launch, or this step's collect).
+        Meanwhile the engine collects the step before, turns its tokens into outputs and schedules
+        the next: with asynchronous scheduling the masks cost the step only the host time that
+        nothing else could use."""
         items = [scheduled[i] for i in inputs.sample_rows]
         states = [self._states[item.request_id] for item in items]
         request_ids = [item.request_id for item in items]
         drafts = [item.token_ids[len(item.token_ids) - item.num_draft_tokens:] for item in items]
         rows = [row for state, proposed in zip(states, drafts) for row in self._sampling_rows(state, proposed)]
-        num_rows = len(rows)
-        # The grammars' masks, computed here on the host while the device runs the forward.
-        bitmask = self._token_bitmask(states, drafts, num_rows)
+        masks = self._start_masks(states, drafts, len(rows))
         if inputs.prompt_logprob_rows or any(row.params.logprobs is not None for row in rows):
+            bitmask = None if masks is None else self._bitmask_on_device(masks)
             output = self._sample_on_host(scheduled, inputs, logits, rows, request_ids, states, drafts, bitmask)
             return LaunchedStep(request_ids, output=self._with_proposals(output, states))
-        token_ids = self.sampler.choose(logits[:num_rows], rows, bitmask)  # (num_rows,), on the device
         first_rows = None
-        if num_rows > len(items):
+        if len(rows) > len(items):
             first_rows = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]).tolist()
-            token_ids = torch.cat([token_ids, _num_accepted(token_ids, first_rows, drafts)])
+        step = LaunchedStep(request_ids, states, first_rows=first_rows)
+        waiting = _WaitingSample(step, logits[:len(rows)], rows, drafts, masks)
+        if masks is None:
+            self._queue_sampling(waiting, None)
+        else:
+            self._waiting = waiting
+        return step
+
+    def _sample_waiting(self) -> None:
+        """Queue the sampling of the step that waits for its masks, once they are done."""
+        waiting, self._waiting = self._waiting, None
+        if waiting is not None:
+            self._queue_sampling(waiting, self._bitmask_on_device(waiting.masks))
+
+    def _queue_sampling(self, waiting: _WaitingSample, bitmask: torch.Tensor | None) -> None:
+        step = waiting.step
+        token_ids = self.sampler.choose(waiting.logits, waiting.rows, bitmask)  # (num_rows,), on the device
+        if step.first_rows is not None:
+            token_ids = torch.cat([token_ids, _num_accepted(token_ids, step.first_rows, waiting.drafts)])
             self._last_sampled = None  # a verify step's last tokens are not at fixed rows (and nothing overlaps it)
         else:
-            self._remember(request_ids, token_ids)
-        slots = []
-        for state in states:
-            slots.append(len(state.output_token_ids))
+            self._remember(step.request_ids, token_ids)
+        for state in step.states:
+            step.slots.append(len(state.output_token_ids))
             state.output_token_ids.append(None)  # collect() puts the step's tokens there
-        step = LaunchedStep(request_ids, states, slots, token_ids, first_rows)
+        step.token_ids = token_ids
         if token_ids.device.type == "cuda":
             host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
             host.copy_(token_ids, non_blocking=True)
             step.token_ids, step.ready = host, torch.cuda.Event()
             step.ready.record()
-        return step
 
     def _sample_on_host(
         self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor, rows: list[SamplingRow],
@@ -421,42 +470,36 @@ class ModelRunner:
             )
         return output
 
-    def _token_bitmask(self, states: list[_RequestState], drafts: list[list[int]], num_rows: int) -> torch.Tensor | None:
-        """The allowed tokens of each sampled row as a bitmask on the device (structured/bitmask.py),
-        or None when no request of the step has a grammar. A row after proposals is masked as the
-        grammar stands once the proposals before it are taken (and taken back after)."""
+    def _start_masks(self, states: list[_RequestState], drafts: list[list[int]], num_rows: int) -> _Masks | None:
+        """Start filling the allowed tokens of each sampled row (structured/bitmask.py), or None when
+        no request of the step has a grammar. The matchers take their new tokens first, here. A row
+        after proposals is masked as the grammar stands once the proposals before it are taken."""
         if not any(state.matcher is not None for state in states):
             return None
-        self._advance_grammars(states)
-        from ferry.structured.bitmask import new_bitmask
+        from ferry.structured.grammar import advance
 
-        bitmask = new_bitmask(num_rows, self.grammars.vocab_size, pin_memory=self.device.type == "cuda")
-        first, row = [], 0
+        self._advance_grammars(states)
+        if self._bitmasks is None:
+            self._bitmasks = HostBitmasks(self.grammars.vocab_size, self.device)
+        bitmask = self._bitmasks.take(num_rows)
+        work, row = [], 0
         for state, proposed in zip(states, drafts):
             if state.matcher is not None:
-                first.append((state.matcher, row, state.grammar_pending))
+                advance(state.matcher, state.grammar_pending)
                 state.grammar_pending = []
+            if state.matcher is not None and not state.matcher.is_error():
+                work.append((state.matcher, row, proposed))
+                if proposed:  # the rows past a refused proposal are never used; filled all the same
+                    bitmask[row + 1:row + 1 + len(proposed)] = -1
+            else:  # no grammar, or one in an error state: every token allowed
+                bitmask[row:row + 1 + len(proposed)] = -1
             row += len(proposed) + 1
-        # Every sequence's new tokens in, then its mask out, side by side in threads (no GIL).
-        self.grammars.fill_masks(first, bitmask)
-        row = 0
-        for state, proposed in zip(states, drafts):
-            if state.matcher is not None and proposed and not state.matcher.is_error():
-                self._fill_after_proposals(state.matcher, proposed, bitmask, row)
-            row += len(proposed) + 1
-        return bitmask.to(self.device, non_blocking=True)
+        return _Masks(bitmask, self.grammars.start_masks(work, bitmask) if work else None)
 
-    @staticmethod
-    def _fill_after_proposals(matcher: Any, proposed: list[int], bitmask: torch.Tensor, row: int) -> None:
-        taken = 0
-        for j, token_id in enumerate(proposed, 1):
-            if matcher.try_consume_tokens([token_id]) != 1:
-                break  # the grammar refuses it, so it is rejected: the rows after it are never used
-            taken += 1
-            mask = bitmask[row + j]
-            matcher.unsafe_compute_mask_ptr(mask.data_ptr(), mask.numel() * 4)
-        if taken:
-            matcher.rollback(taken)
+    def _bitmask_on_device(self, masks: _Masks) -> torch.Tensor:
+        if masks.work is not None:
+            masks.work.result()
+        return self._bitmasks.to_device(masks.bitmask)
 
     def _remember(self, request_ids: list[str], token_ids: torch.Tensor) -> None:
         self._last_sampled = token_ids

@@ -17,6 +17,44 @@ def new_bitmask(num_rows: int, vocab_size: int, pin_memory: bool = False) -> tor
     return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pin_memory)
 
 
+class HostBitmasks:
+    """The host side of successive steps' bitmasks, in two buffers taken in turn and kept: pinned
+    memory for a copy that does not wait, which takes a millisecond to allocate (more than the masks
+    of a batch of 64 take to compute), so it is allocated once. A buffer is taken again only after
+    the device has copied it out (an event recorded behind the copy), two steps later."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.words = -(-vocab_size // 32)
+        self.device = device
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._turn = 0
+
+    def take(self, num_rows: int) -> torch.Tensor:
+        """A (num_rows, words) int32 host view, its contents left from before: fill every row."""
+        i = self._turn = 1 - self._turn
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()
+            self._copied[i] = None
+        buffer = self._buffers[i]
+        if buffer is None or buffer.shape[0] < num_rows:
+            pin = self.device.type == "cuda"
+            buffer = self._buffers[i] = torch.empty((max(num_rows, 64), self.words), dtype=torch.int32, pin_memory=pin)
+        return buffer[:num_rows]
+
+    def to_device(self, bitmask: torch.Tensor) -> torch.Tensor:
+        """The taken view, on the device: a copy queued on the current stream (on a CPU, a copy
+        made now, so that the buffer can be taken again)."""
+        if self.device.type != "cuda":
+            return bitmask.clone()
+        on_device = bitmask.to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        first = self._buffers[0]
+        self._copied[0 if first is not None and bitmask.data_ptr() == first.data_ptr() else 1] = event
+        return on_device
+
+
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits (R, V) with -inf where the bit of (row, token) is 0, in place; bitmask (R, ceil(V/32))
     on the logits' device. On CUDA one Triton kernel; elsewhere torch ops (the reference)."""

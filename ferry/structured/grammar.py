@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
+import sys
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ferry.structured.params import StructuredOutputsParams
 
+
+# The longest a thread that starts or ends a step's masks waits for the GIL (see Grammars.start_masks).
+MASK_SWITCH_INTERVAL_S = 5e-5
 
 # JSON laid out as json.dumps writes it: ", " between items, ": " after keys, and no other
 # whitespace, so that a model cannot spend its tokens on blank lines between them.
@@ -83,12 +88,16 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._tokenizer = None
-        self._executor = None
-        # Checked grammars by request form: a request's n sequences, the engine's check and its
-        # matchers, and clients that send the same schema again compile it once.
+        # Checked grammars, and a first matcher of each, by request form: a request's n sequences, the
+        # engine's check and its matchers, and clients that send the same schema again compile it once.
         self._checked = functools.lru_cache(maxsize=256)(self._check)
-        # Threads that fill masks: the host's cores but one (which runs the engine's loop).
-        self.threads = max(1, min(16, (os.cpu_count() or 2) - 1))
+        self._first = functools.lru_cache(maxsize=256)(self._first_matcher)
+        self._executor = None  # llguidance's pool of threads that fill masks
+        self._thread = None  # the one thread that starts that work, so that the caller goes on
+        self.background = True  # False: start_masks does the work before it returns
+        # Time spent filling masks (from the work's start to its end), the batches and the rows filled.
+        self.mask_seconds = 0.0
+        self.mask_batches = self.mask_rows = 0
 
     @property
     def tokenizer(self):
@@ -103,32 +112,58 @@ class Grammars:
                                               eos_token=eos[0] if eos else None)
         return self._tokenizer
 
-    def fill_masks(self, rows: list[tuple[object, int, list[int]]], bitmask) -> None:
-        """For each (matcher, row, new tokens): advance the matcher by its new tokens, then write its
-        allowed next tokens into row `row` of bitmask (a contiguous int32 host tensor,
-        structured/bitmask.py); a matcher in an error state leaves its row all allowed. llguidance
-        works without the GIL, so a pool of threads does a step's sequences side by side: a mask of
-        a 150k vocabulary inside a free JSON string takes about 0.1 ms, and a batch of 64 would take
-        7 ms on one core."""
-        row_bytes = bitmask.shape[1] * 4
-        base = bitmask.data_ptr()
+    def start_masks(self, rows: list[tuple[object, int, list[int]]], bitmask) -> Future:
+        """Begin writing, for each (matcher, row, proposals), the matcher's allowed next tokens into
+        row `row` of bitmask (a contiguous int32 host tensor, structured/bitmask.py), and after each
+        proposal the grammar accepts, the allowed tokens after it into the next row (the matcher is
+        taken back to where it was). Rows it does not reach (after a refused proposal) are left as
+        they were. The result's result() waits for the work to be done; until then the matchers and
+        the bitmask are the work's, and must not be touched. (With `background` False the work is
+        done before this returns.)
 
-        def fill(part: list[tuple[object, int, list[int]]]) -> None:
-            for matcher, row, tokens in part:
-                advance(matcher, tokens)
-                if not matcher.is_error():
-                    matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
-
-        if len(rows) < 2 or self.threads < 2:
-            fill(rows)
-            return
+        llguidance fills the rows in a pool of threads of its own, in one call that lets go of the
+        GIL: a mask of a 150k vocabulary takes about 5 us inside a free JSON string and up to a few
+        hundred in the hardest places. That call is made from a thread of this object's, so that the
+        caller goes on with the step meanwhile. (Python threads filling rows one by one would queue
+        for the GIL instead.)"""
         if self._executor is None:
-            from concurrent.futures import ThreadPoolExecutor
+            from llguidance import LLExecutor
 
-            self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="ferry-grammar")
-        parts = min(self.threads, len(rows))
-        for future in [self._executor.submit(fill, rows[part::parts]) for part in range(parts)]:
-            future.result()
+            self._executor = LLExecutor()
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="ferry-grammar")
+            # That thread takes the GIL to start the work and to end it, while the caller runs Python:
+            # it asks for the GIL, and gets it only after the switch interval (5 ms by default, as long
+            # as a step). Other threads of the process hardly ever wait for the GIL, so a short
+            # interval costs nothing when none does.
+            sys.setswitchinterval(min(sys.getswitchinterval(), MASK_SWITCH_INTERVAL_S))
+        row_bytes = bitmask.shape[1] * 4
+        plain = [(matcher, row) for matcher, row, proposed in rows if not proposed]
+        after_proposals = [(matcher, row, list(proposed)) for matcher, row, proposed in rows if proposed]
+        base, num_rows, executor = bitmask.data_ptr(), bitmask.shape[0], self._executor
+
+        def fill() -> None:
+            start = time.perf_counter()
+            if len(plain) == 1:  # (the pool would only add its hand-over)
+                matcher, row = plain[0]
+                matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
+            elif plain:
+                executor.unsafe_compute_mask_ptr(plain, base, row_bytes, num_rows)
+            if after_proposals:
+                executor.unsafe_compute_mask_ptr_with_draft_token(after_proposals, base, row_bytes, num_rows)
+            self.mask_seconds += time.perf_counter() - start
+            self.mask_batches += 1
+            self.mask_rows += len(rows) + sum(len(proposed) for _, _, proposed in rows)
+
+        if self.background:
+            return self._thread.submit(fill)
+        done: Future = Future()
+        fill()
+        done.set_result(None)
+        return done
+
+    def fill_masks(self, rows: list[tuple[object, int, list[int]]], bitmask) -> None:
+        """start_masks, and wait for it."""
+        self.start_masks(rows, bitmask).result()
 
     def check(self, params: StructuredOutputsParams) -> str:
         """The compiled grammar text; GrammarError naming the problem when it does not compile."""
@@ -144,7 +179,11 @@ class Grammars:
         return text
 
     def matcher(self, params: StructuredOutputsParams):
-        """A fresh llguidance LLMatcher for one sequence."""
+        """A fresh llguidance LLMatcher for one sequence: a copy of the grammar's first matcher (making
+        one compiles the grammar, a millisecond for a JSON schema; a copy takes a few microseconds)."""
+        return self._first(params).deep_copy()
+
+    def _first_matcher(self, params: StructuredOutputsParams):
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.tokenizer, self.check(params), log_level=0)
