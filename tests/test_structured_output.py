@@ -180,6 +180,39 @@ def test_verified_proposals_keep_to_the_grammar():
         jsonschema.validate(json.loads(final[str(i)].text), SCHEMAS[0])
 
 
+def test_proposals_after_a_complete_grammar_keep_to_eos():
+    """With ignore_eos a sequence goes on after its grammar is complete, and every later token is
+    EOS. A proposer that proposes EOS there: the rows after an accepted EOS are masked "EOS only",
+    as single steps are (llguidance leaves the rows past a grammar's end unwritten), so the
+    outputs stay those of single steps."""
+    from ferry.engine.engine import LLMEngine
+    from ferry.executor.model_runner import build_model_runner
+
+    single = LLM()
+    engine = single.engine
+    eos = engine.grammars.eos_token_ids[0]
+
+    class ProposeEos:
+        num_speculative_tokens = 3
+
+        def propose(self, request_ids, prompt_token_ids, output_token_ids):
+            return [[eos] * 3 for _ in request_ids]
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                            structured_outputs=Structured(choice=("red", "green")))
+    (reference,), = _generate(single, ["My colour is"], params)
+    assert reference.text in ("red", "green") and reference.token_ids[-1] == eos
+    runner = build_model_runner(engine.config, ProposeEos(), grammars=engine.grammars)
+    verifying = LLMEngine(engine.config, runner, engine.tokenizer, grammars=engine.grammars)
+    verifying.add_request("0", "My colour is", params)
+    final = None
+    while verifying.has_unfinished_requests():
+        for out in verifying.step():
+            if out.finished:
+                final = out.outputs[0]
+    assert final.token_ids == reference.token_ids
+
+
 def test_the_bitmask_kernel_matches_its_reference():
     pytest.importorskip("triton")
     if not torch.cuda.is_available():

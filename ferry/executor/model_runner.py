@@ -30,6 +30,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import TYPE_CHECKING, Any
@@ -152,7 +153,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Drop the model, the KV cache and the graphs, so that their device memory can be freed."""
         if self._waiting is not None and self._waiting.masks.work is not None:
-            self._waiting.masks.work.result()  # (the work writes into the matchers and a host buffer)
+            wait_for([self._waiting.masks.work])  # (the work writes into the matchers and a host buffer)
         self._waiting = None
         self.decode_graphs = None
         self.kv_caches = []
@@ -416,6 +417,7 @@ class ModelRunner:
             self._waiting = waiting
         return step
 
+    @torch.inference_mode()
     def _sample_waiting(self) -> None:
         """Queue the sampling of the step that waits for its masks, once they are done."""
         waiting, self._waiting = self._waiting, None
@@ -489,8 +491,8 @@ class ModelRunner:
                 state.grammar_pending = []
             if state.matcher is not None and not state.matcher.is_error():
                 work.append((state.matcher, row, proposed))
-                if proposed:  # the rows past a refused proposal are never used; filled all the same
-                    bitmask[row + 1:row + 1 + len(proposed)] = -1
+                if proposed:  # llguidance leaves the rows past the grammar's end (or a refused proposal)
+                    bitmask[row + 1:row + 1 + len(proposed)] = self.grammars.eos_only
             else:  # no grammar, or one in an error state: every token allowed
                 bitmask[row:row + 1 + len(proposed)] = -1
             row += len(proposed) + 1

@@ -17,6 +17,14 @@ def new_bitmask(num_rows: int, vocab_size: int, pin_memory: bool = False) -> tor
     return torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pin_memory)
 
 
+def only_row(vocab_size: int, token_ids) -> torch.Tensor:
+    """One row, (ceil(vocab / 32),) int32, that allows only `token_ids`."""
+    words = torch.zeros(-(-vocab_size // 32), dtype=torch.int64)
+    for token_id in token_ids:
+        words[token_id // 32] |= 1 << (token_id % 32)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # bit 31: the sign
+
+
 class HostBitmasks:
     """The host side of successive steps' bitmasks, in two buffers taken in turn and kept: pinned
     memory for a copy that does not wait, which takes a millisecond to allocate (more than the masks

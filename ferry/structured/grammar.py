@@ -88,10 +88,9 @@ class Grammars:
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._tokenizer = None
-        # Checked grammars, and a first matcher of each, by request form: a request's n sequences, the
-        # engine's check and its matchers, and clients that send the same schema again compile it once.
+        # Checked grammars by request form: a request's n sequences, the engine's check and its
+        # matchers, and clients that send the same schema again check it once.
         self._checked = functools.lru_cache(maxsize=256)(self._check)
-        self._first = functools.lru_cache(maxsize=256)(self._first_matcher)
         self._executor = None  # llguidance's pool of threads that fill masks
         self._thread = None  # the one thread that starts that work, so that the caller goes on
         self.background = True  # False: start_masks does the work before it returns
@@ -179,17 +178,25 @@ class Grammars:
         return text
 
     def matcher(self, params: StructuredOutputsParams):
-        """A fresh llguidance LLMatcher for one sequence: a copy of the grammar's first matcher (making
-        one compiles the grammar, a millisecond for a JSON schema; a copy takes a few microseconds)."""
-        return self._first(params).deep_copy()
-
-    def _first_matcher(self, params: StructuredOutputsParams):
+        """A fresh llguidance LLMatcher for one sequence. (Not a copy of another: llguidance's
+        deep_copy shares the lexer, its lock and its growing state with the original, so every
+        sequence of a schema would fill its mask one after another, and a long-lived original would
+        in the end reach the lexer's limit for all of them.)"""
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.tokenizer, self.check(params), log_level=0)
         if matcher.is_error():
             raise GrammarError(f"{params.source}: {matcher.get_error()}")
         return matcher
+
+    @functools.cached_property
+    def eos_only(self):
+        """A bitmask row that allows only the tokens that end a sequence (llguidance's EOS)."""
+        from ferry.structured.bitmask import only_row
+
+        tokenizer = self.tokenizer
+        eos = getattr(tokenizer, "eos_tokens", None) or [tokenizer.eos_token]
+        return only_row(self.vocab_size, eos)
 
 
 def advance(matcher, tokens: list[int]) -> None:
