@@ -197,7 +197,8 @@ class ModelRunner:
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's tokens and return its output."""
         if self._waiting is not None and self._waiting.step is step:
-            self._sample_waiting()
+            with torch.inference_mode():  # (as in launch, where the sampling would otherwise be queued)
+                self._sample_waiting()
         if self._uncollected is step:
             self._uncollected = None
         if step.output is not None:
@@ -417,7 +418,6 @@ class ModelRunner:
             self._waiting = waiting
         return step
 
-    @torch.inference_mode()
     def _sample_waiting(self) -> None:
         """Queue the sampling of the step that waits for its masks, once they are done."""
         waiting, self._waiting = self._waiting, None
