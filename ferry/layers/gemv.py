@@ -130,15 +130,21 @@ def _input_tile(
 
 
 @triton.jit
-def _weight_tile(w_ptr, cols, col_ok, k0, k, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """W[cols, k0 : k0 + BLOCK_K] in float32, zero outside the matrix."""
+def _weight_tile_raw(w_ptr, cols, col_ok, k0, k, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """W[cols, k0 : k0 + BLOCK_K] in the weight's dtype, zero outside the matrix."""
     ks = k0 + tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
     if EVEN_K:  # a mask that is constant along K keeps the loads vectorized
         w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
     else:
         w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks[None, :] < k), other=0.0)
-    return w.to(tl.float32)
+    return w
+
+
+@triton.jit
+def _weight_tile(w_ptr, cols, col_ok, k0, k, stride_wn, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """W[cols, k0 : k0 + BLOCK_K] in float32, zero outside the matrix."""
+    return _weight_tile_raw(w_ptr, cols, col_ok, k0, k, stride_wn, BLOCK_K, EVEN_K).to(tl.float32)
 
 
 @triton.jit
@@ -228,11 +234,7 @@ def _gemv_mma_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
-        if EVEN_K:  # a mask that is constant along K keeps the loads vectorized
-            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
-        else:
-            w = tl.load(w_ptrs, mask=col_ok[:, None] & (ks[None, :] < k), other=0.0)
+        w = _weight_tile_raw(w_ptr, cols, col_ok, k0, k, stride_wn, BLOCK_K, EVEN_K)
         x_mask = (rows[None, :] < m) & (ks[:, None] < k)
         x_ptrs = x_ptr + rows[None, :] * stride_xm + ks[:, None]  # x^T: (BLOCK_K, BLOCK_M)
         xt = tl.load(x_ptrs, mask=x_mask, other=0.0)

@@ -27,8 +27,8 @@ def only_row(vocab_size: int, token_ids) -> torch.Tensor:
 
 class HostBitmasks:
     """The host side of successive steps' bitmasks, in two buffers taken in turn and kept: pinned
-    memory for a copy that does not wait, which takes a millisecond to allocate (more than the masks
-    of a batch of 64 take to compute), so it is allocated once. A buffer is taken again only after
+    memory for a copy that does not wait, which is slow to allocate (slower than filling the masks of a
+    batch of 64), so it is allocated once. A buffer is taken again only after
     the device has copied it out (an event recorded behind the copy), two steps later."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:

@@ -160,10 +160,6 @@ class Grammars:
         done.set_result(None)
         return done
 
-    def fill_masks(self, rows: list[tuple[object, int, list[int]]], bitmask) -> None:
-        """start_masks, and wait for it."""
-        self.start_masks(rows, bitmask).result()
-
     def check(self, params: StructuredOutputsParams) -> str:
         """The compiled grammar text; GrammarError naming the problem when it does not compile."""
         return self._checked(params)
