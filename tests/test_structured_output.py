@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from ferry import LLM, SamplingParams  # noqa: E402
-from ferry.structured.bitmask import apply_bitmask_reference_, new_bitmask  # noqa: E402
+from ferry.structured.bitmask import masked_logits_reference, new_bitmask  # noqa: E402
 from ferry.structured.grammar import GrammarError, grammar_text  # noqa: E402
 from ferry.structured.params import StructuredOutputsParams as Structured  # noqa: E402
 
@@ -219,7 +219,7 @@ def test_the_bitmask_kernel_matches_its_reference():
         from triton_interpreter import patch_interpreter
 
         patch_interpreter()
-    from ferry.kernels.bitmask import apply_bitmask_kernel
+    from ferry.kernels.bitmask import masked_logits_kernel
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator().manual_seed(0)
@@ -228,10 +228,10 @@ def test_the_bitmask_kernel_matches_its_reference():
         bitmask.copy_(torch.randint(-2**31, 2**31 - 1, bitmask.shape, generator=generator, dtype=torch.int64)
                       .to(torch.int32))
         logits = torch.randn(rows, vocab, generator=generator)
-        expected = apply_bitmask_reference_(logits.clone(), bitmask)
-        got = logits.to(device)
-        apply_bitmask_kernel(got, bitmask.to(device))
-        assert torch.equal(got.cpu(), expected)
+        expected = masked_logits_reference(logits, bitmask)
+        given = logits.to(device)
+        got = masked_logits_kernel(given, bitmask.to(device))
+        assert torch.equal(got.cpu(), expected) and torch.equal(given.cpu(), logits)
         # Bit b of word w is token 32w + b.
         assert torch.isinf(expected[0, 0]) == (not bitmask[0, 0].item() & 1)
 

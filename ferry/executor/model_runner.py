@@ -67,9 +67,9 @@ class _RequestState:
     generators: list[torch.Generator] | None
     eos_token_ids: tuple[int, ...]
     # Structured output: the llguidance matcher of the request's grammar, advanced by every token
-    # it gets (structured/grammar.py); None without one.
+    # it gets (structured/grammar.py), or a Future of it until it is built; None without one.
     matcher: Any = None
-    # Tokens the matcher has not taken yet: they go in with the next mask, in the mask's thread.
+    # Tokens the matcher has not taken yet: it takes them before its next mask, in the mask's thread.
     grammar_pending: list[int] = dataclass_field(default_factory=list)
 
 
@@ -92,7 +92,7 @@ class LaunchedStep:
 @dataclass
 class _Masks:
     bitmask: torch.Tensor  # (rows, words) on the host, being filled
-    work: Future | None  # the filling (Grammars.start_masks); None when no row has a live grammar
+    work: Future  # the filling (Grammars.start_masks)
 
 
 @dataclass
@@ -152,9 +152,7 @@ class ModelRunner:
 
     def shutdown(self) -> None:
         """Drop the model, the KV cache and the graphs, so that their device memory can be freed."""
-        if self._waiting is not None and self._waiting.masks.work is not None:
-            wait_for([self._waiting.masks.work])  # (the work writes into the matchers and a host buffer)
-        self._waiting = None
+        self._drop_waiting()
         self.decode_graphs = None
         self.kv_caches = []
         self.model = None
@@ -172,18 +170,25 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
         """Queue one step's forward and sampling on the device; no wait for the device. (A step whose
-        requests have grammars queues its sampling later, when its masks are ready: see sample.)"""
-        self._sample_waiting()
-        self.update_states(scheduler_output)
-        if scheduler_output.copy_blocks:
-            self.copy_blocks(scheduler_output.copy_blocks)
-        if scheduler_output.is_empty:
-            return LaunchedStep([], output=ModelRunnerOutput([], []))
+        requests have grammars queues its sampling later, when its masks are ready: see sample. The
+        step before it, if it still waits for its masks, is sampled once this step's inputs are
+        prepared, which gives the masks that time.)"""
         scheduled = scheduler_output.scheduled
-        in_flight = self._in_flight(scheduled)
-        graph_inputs = self.prepare_decode_graph(scheduled, in_flight[0])
-        inputs = graph_inputs if graph_inputs is not None else self.prepare_inputs(scheduled, in_flight[0])
-        self._fill_in_flight(*in_flight, inputs.input_ids)
+        try:
+            self.update_states(scheduler_output)
+            if scheduler_output.copy_blocks:
+                self.copy_blocks(scheduler_output.copy_blocks)
+            if not scheduled:
+                self._sample_waiting()
+                return LaunchedStep([], output=ModelRunnerOutput([], []))
+            positions = self._in_flight_positions(scheduled)
+            graph_inputs = self.prepare_decode_graph(scheduled, positions)
+            inputs = graph_inputs if graph_inputs is not None else self.prepare_inputs(scheduled, positions)
+        except Exception:
+            self._drop_waiting()  # (the engine fails the steps it had not applied, that one with this one)
+            raise
+        self._sample_waiting()
+        self._fill_in_flight(scheduled, positions, inputs.input_ids)
         if graph_inputs is not None:
             hidden = self.decode_graphs.forward(inputs)
         else:
@@ -250,20 +255,22 @@ class ModelRunner:
             output.draft_token_ids = {r: p for (r, _), p in zip(live, proposals) if p}
         return output
 
-    def _in_flight(self, scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int]]:
-        """Where this step's tokens in flight go (positions in its flat input ids: each is the last
-        token of its request's chunk), and where they are (rows of the last step's sampled ids)."""
-        positions, rows, end = [], [], 0
+    @staticmethod
+    def _in_flight_positions(scheduled: list[ScheduledRequest]) -> list[int]:
+        """Where this step's tokens in flight go: positions in its flat input ids (each is the last
+        token of its request's chunk)."""
+        positions, end = [], 0
         for item in scheduled:
             end += len(item.token_ids)
             if item.token_ids[-1] is None:
                 positions.append(end - 1)
-                rows.append(self._last_rows[item.request_id])
-        return positions, rows
+        return positions
 
-    def _fill_in_flight(self, positions: list[int], rows: list[int], input_ids: torch.Tensor) -> None:
-        """Write the tokens in flight into this step's input ids, on the device."""
+    def _fill_in_flight(self, scheduled: list[ScheduledRequest], positions: list[int], input_ids: torch.Tensor) -> None:
+        """Write the tokens in flight into this step's input ids, on the device, from the rows of
+        the last step's sampled ids (once that step's sampling is queued)."""
         if positions:
+            rows = [self._last_rows[item.request_id] for item in scheduled if item.token_ids[-1] is None]
             tokens = self._last_sampled[to_device(rows, torch.int64, self.device)]
             input_ids[to_device(positions, torch.int64, self.device)] = tokens
 
@@ -282,18 +289,16 @@ class ModelRunner:
             elif item.new_block_ids:
                 self._states[item.request_id].block_ids.extend(item.new_block_ids)
 
-    def _matcher(self, item: ScheduledRequest) -> Any:
-        """A request's grammar matcher, advanced past the tokens it generated before a preemption."""
+    def _matcher(self, item: ScheduledRequest) -> Future | None:
+        """A request's grammar matcher, advanced past the tokens it generated before a preemption:
+        a Future, built in the grammars' threads while this step's forward is queued (the masks'
+        work waits for it there)."""
         wanted = item.sampling_params.structured_outputs
         if wanted is None:
             return None
         if self.grammars is None:
             raise ValueError("structured output needs the model's tokenizer (tokenizer.json)")
-        from ferry.structured.grammar import advance
-
-        matcher = self.grammars.matcher(wanted)
-        advance(matcher, item.output_token_ids)
-        return matcher
+        return self.grammars.matcher_later(wanted, item.output_token_ids)
 
     def _drop_state(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -418,6 +423,13 @@ class ModelRunner:
             self._waiting = waiting
         return step
 
+    def _drop_waiting(self) -> None:
+        """Forget the step that waits for its masks, once their work is done (it writes into the
+        matchers and a host buffer)."""
+        if self._waiting is not None and self._waiting.masks is not None:
+            wait_for([self._waiting.masks.work])
+        self._waiting = None
+
     def _sample_waiting(self) -> None:
         """Queue the sampling of the step that waits for its masks, once they are done."""
         waiting, self._waiting = self._waiting, None
@@ -474,11 +486,12 @@ class ModelRunner:
 
     def _start_masks(self, states: list[_RequestState], drafts: list[list[int]], num_rows: int) -> _Masks | None:
         """Start filling the allowed tokens of each sampled row (structured/bitmask.py), or None when
-        no request of the step has a grammar. The matchers take their new tokens first, here. A row
-        after proposals is masked as the grammar stands once the proposals before it are taken."""
+        no request of the step has a grammar. The matchers take their new tokens first, in the
+        work's thread. A row after proposals is masked as the grammar stands once the proposals
+        before it are taken."""
         if not any(state.matcher is not None for state in states):
             return None
-        from ferry.structured.grammar import advance
+        from ferry.structured.grammar import MaskRow
 
         self._advance_grammars(states)
         if self._bitmasks is None:
@@ -486,21 +499,18 @@ class ModelRunner:
         bitmask = self._bitmasks.take(num_rows)
         work, row = [], 0
         for state, proposed in zip(states, drafts):
-            if state.matcher is not None:
-                advance(state.matcher, state.grammar_pending)
-                state.grammar_pending = []
-            if state.matcher is not None and not state.matcher.is_error():
-                work.append((state.matcher, row, proposed))
-                if proposed:  # llguidance leaves the rows past the grammar's end (or a refused proposal)
-                    bitmask[row + 1:row + 1 + len(proposed)] = self.grammars.eos_only
-            else:  # no grammar, or one in an error state: every token allowed
+            if state.matcher is None:  # every token allowed
                 bitmask[row:row + 1 + len(proposed)] = -1
+            else:
+                if isinstance(state.matcher, Future) and state.matcher.done():
+                    state.matcher = state.matcher.result()  # (built meanwhile: see _matcher)
+                work.append(MaskRow(state.matcher, row, state.grammar_pending, proposed))
+                state.grammar_pending = []
             row += len(proposed) + 1
-        return _Masks(bitmask, self.grammars.start_masks(work, bitmask) if work else None)
+        return _Masks(bitmask, self.grammars.start_masks(work, bitmask))
 
     def _bitmask_on_device(self, masks: _Masks) -> torch.Tensor:
-        if masks.work is not None:
-            masks.work.result()
+        masks.work.result()
         return self._bitmasks.to_device(masks.bitmask)
 
     def _remember(self, request_ids: list[str], token_ids: torch.Tensor) -> None:

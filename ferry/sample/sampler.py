@@ -28,7 +28,7 @@ from ferry.sample.logprobs import compute_logprobs
 from ferry.sample.metadata import RandomRowParams, SamplingRow
 from ferry.sample.penalties import apply_bans_, apply_logit_bias_, apply_penalties_, needs_adjusting
 from ferry.sample.truncation import truncation_threshold
-from ferry.structured.bitmask import apply_bitmask_
+from ferry.structured.bitmask import masked_logits
 from ferry.transfer import to_device
 
 
@@ -76,7 +76,7 @@ class Sampler:
         _check_generators(rows)
         logits = logits.float()
         if token_bitmask is not None:
-            logits = apply_bitmask_(logits.clone(), token_bitmask)
+            logits = masked_logits(logits, token_bitmask)
         if needs_adjusting(rows):
             # A penalty at the edge of float64 (a repetition_penalty that is 0 or inf in float32)
             # can make a logit inf or NaN; `finite` keeps the order of the rest.

@@ -28,54 +28,62 @@ def only_row(vocab_size: int, token_ids) -> torch.Tensor:
 class HostBitmasks:
     """The host side of successive steps' bitmasks, in two buffers taken in turn and kept: pinned
     memory for a copy that does not wait, which is slow to allocate (slower than filling the masks of a
-    batch of 64), so it is allocated once. A buffer is taken again only after
-    the device has copied it out (an event recorded behind the copy), two steps later."""
+    batch of 64), so it is allocated once, as is the device buffer each one is copied into. A buffer
+    is taken again only after the device has copied it out (an event recorded behind the copy), two
+    steps later; its device buffer is then free too, its readers queued before the new copy."""
 
     def __init__(self, vocab_size: int, device: torch.device) -> None:
         self.words = -(-vocab_size // 32)
         self.device = device
         self._buffers: list[torch.Tensor | None] = [None, None]
-        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._on_device: list[torch.Tensor | None] = [None, None]
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # recorded behind each one's last copy
+        self._pending = [False, False]  # a copy not yet waited for
         self._turn = 0
 
     def take(self, num_rows: int) -> torch.Tensor:
         """A (num_rows, words) int32 host view, its contents left from before: fill every row."""
         i = self._turn = 1 - self._turn
-        if self._copied[i] is not None:
+        if self._pending[i]:
             self._copied[i].synchronize()
-            self._copied[i] = None
+            self._pending[i] = False
         buffer = self._buffers[i]
         if buffer is None or buffer.shape[0] < num_rows:
-            pin = self.device.type == "cuda"
-            buffer = self._buffers[i] = torch.empty((max(num_rows, 64), self.words), dtype=torch.int32, pin_memory=pin)
+            cuda = self.device.type == "cuda"
+            shape = (max(num_rows, 64), self.words)
+            buffer = self._buffers[i] = torch.empty(shape, dtype=torch.int32, pin_memory=cuda)
+            if cuda:
+                self._on_device[i] = torch.empty(shape, dtype=torch.int32, device=self.device)
+                self._copied[i] = torch.cuda.Event()
         return buffer[:num_rows]
 
     def to_device(self, bitmask: torch.Tensor) -> torch.Tensor:
-        """The taken view, on the device: a copy queued on the current stream (on a CPU, a copy
-        made now, so that the buffer can be taken again)."""
+        """A taken view, on the device: a copy queued on the current stream (on a CPU, a copy made
+        now, so that the buffer can be taken again)."""
         if self.device.type != "cuda":
             return bitmask.clone()
-        on_device = bitmask.to(self.device, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
         first = self._buffers[0]
-        self._copied[0 if first is not None and bitmask.data_ptr() == first.data_ptr() else 1] = event
+        i = 0 if first is not None and bitmask.data_ptr() == first.data_ptr() else 1
+        on_device = self._on_device[i][:bitmask.shape[0]]
+        on_device.copy_(bitmask, non_blocking=True)
+        self._copied[i].record()
+        self._pending[i] = True
         return on_device
 
 
-def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits (R, V) with -inf where the bit of (row, token) is 0, in place; bitmask (R, ceil(V/32))
-    on the logits' device. On CUDA one Triton kernel; elsewhere torch ops (the reference)."""
+def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits (R, V) float32 -> a new (R, V) tensor, -inf where the bit of (row, token) is 0; bitmask
+    (R, ceil(V/32)) on the logits' device. On CUDA one Triton kernel; elsewhere torch ops (the
+    reference)."""
     if logits.device.type == "cuda":
-        from ferry.kernels.bitmask import apply_bitmask_kernel
+        from ferry.kernels.bitmask import masked_logits_kernel
 
-        apply_bitmask_kernel(logits, bitmask)
-        return logits
-    return apply_bitmask_reference_(logits, bitmask)
+        return masked_logits_kernel(logits, bitmask)
+    return masked_logits_reference(logits, bitmask)
 
 
-def apply_bitmask_reference_(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+def masked_logits_reference(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     vocab = logits.shape[1]
     bits = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).flatten(1)[:, :vocab]  # (R, V) 0/1
-    return logits.masked_fill_(allowed == 0, float("-inf"))
+    return logits.masked_fill(allowed == 0, float("-inf"))

@@ -18,11 +18,16 @@ import json
 import re
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, NamedTuple
 
 from ferry.structured.params import StructuredOutputsParams
 
+
+# Threads that build matchers for new sequences (Grammars.matcher_later).
+BUILDER_THREADS = 4
 
 # The longest a thread that starts or ends a step's masks waits for the GIL (see Grammars.start_masks).
 MASK_SWITCH_INTERVAL_S = 5e-5
@@ -73,6 +78,15 @@ def _as_lark(grammar: str) -> str:
         raise GrammarError(f"grammar: cannot read it as GBNF/EBNF ({e})") from None
 
 
+class MaskRow(NamedTuple):
+    """One sequence's part of a step's masks (Grammars.start_masks)."""
+
+    matcher: Any  # an llguidance LLMatcher, or a Future of one (Grammars.matcher_later)
+    row: int  # its first row of the bitmask
+    new_tokens: list[int]  # tokens the sequence got since its last mask, for the matcher to take first
+    proposed: list[int]  # proposals to verify: one more row after each
+
+
 class Grammars:
     """llguidance's view of one tokenizer, and matchers for it. The view is built on first use
     (a large vocabulary takes a moment), so a process that never sees a grammar never pays.
@@ -92,6 +106,8 @@ class Grammars:
         # matchers, and clients that send the same schema again check it once.
         self._checked = functools.lru_cache(maxsize=256)(self._check)
         self._executor = None  # llguidance's pool of threads that fill masks
+        self._consumer = None  # llguidance's thread in which matchers take their tokens
+        self._builders = None  # the threads that build matchers (matcher_later)
         self._thread = None  # the one thread that starts that work, so that the caller goes on
         self.background = True  # False: start_masks does the work before it returns
         # Time spent filling masks (from the work's start to its end), the batches and the rows filled.
@@ -111,24 +127,45 @@ class Grammars:
                                               eos_token=eos[0] if eos else None)
         return self._tokenizer
 
-    def start_masks(self, rows: list[tuple[object, int, list[int]]], bitmask) -> Future:
-        """Begin writing, for each (matcher, row, proposals), the matcher's allowed next tokens into
-        row `row` of bitmask (a contiguous int32 host tensor, structured/bitmask.py), and after each
-        proposal the grammar accepts, the allowed tokens after it into the next row (the matcher is
-        taken back to where it was). Rows it does not reach (after a refused proposal) are left as
-        they were. The result's result() waits for the work to be done; until then the matchers and
-        the bitmask are the work's, and must not be touched. (With `background` False the work is
-        done before this returns.)
+    def matcher_later(self, params: StructuredOutputsParams, tokens: Sequence[int] = ()) -> Future:
+        """A fresh matcher for one sequence (see `matcher`), advanced past `tokens` (what the
+        sequence generated before a preemption), built in a thread of this object's: llguidance
+        lets go of the GIL while it builds one (a fraction of a millisecond for a JSON schema), so
+        the engine goes on meanwhile. start_masks takes the Future as it takes a matcher."""
+        self.tokenizer  # (built here, once, rather than in two threads at once)
+        if self._builders is None:
+            self._builders = ThreadPoolExecutor(BUILDER_THREADS, thread_name_prefix="ferry-grammar-build")
+        return self._builders.submit(self._built, params, list(tokens))
 
-        llguidance fills the rows in a pool of threads of its own, in one call that lets go of the
-        GIL: a mask of a 150k vocabulary takes about 5 us inside a free JSON string and up to a few
-        hundred in the hardest places. That call is made from a thread of this object's, so that the
-        caller goes on with the step meanwhile. (Python threads filling rows one by one would queue
-        for the GIL instead.)"""
+    def _built(self, params: StructuredOutputsParams, tokens: list[int]):
+        matcher = self.matcher(params)
+        advance(matcher, tokens)
+        return matcher
+
+    def start_masks(self, rows: list[MaskRow], bitmask) -> Future:
+        """Begin, for each MaskRow, feeding its matcher its new tokens and then writing the allowed
+        next tokens into row `row` of bitmask (a contiguous int32 host tensor, structured/bitmask.py),
+        and after each proposal the grammar accepts, the allowed tokens after it into the next row
+        (the matcher is taken back to where it was). A matcher in an error state allows every token;
+        the rows after a refused proposal, or past the grammar's end, allow only EOS. The result's
+        result() waits for the work to be done; until then the matchers and the bitmask are the
+        work's, and must not be touched. (With `background` False the work is done before this
+        returns.)
+
+        The work runs in a thread of this object's, so that the caller goes on with the step, and
+        what it asks of llguidance lets go of the GIL: the matchers take their tokens one after
+        another in a thread of llguidance's (a few microseconds each; consume_token, which keeps the
+        GIL, would take turns with the caller), then the masks are filled in a pool of its threads
+        (a mask of a 150k vocabulary takes about 5 us inside a free JSON string and up to a few
+        hundred in the hardest places). A matcher still being built (a Future) is waited for there."""
+        import torch
+
         if self._executor is None:
             from llguidance import LLExecutor
 
             self._executor = LLExecutor()
+            # One thread: the matchers' tokens are too small a task to share out (more threads are slower).
+            self._consumer = LLExecutor(1)
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="ferry-grammar")
             # That thread takes the GIL to start the work and to end it, while the caller runs Python:
             # it asks for the GIL, and gets it only after the switch interval (5 ms by default, as long
@@ -136,12 +173,23 @@ class Grammars:
             # interval costs nothing when none does.
             sys.setswitchinterval(min(sys.getswitchinterval(), MASK_SWITCH_INTERVAL_S))
         row_bytes = bitmask.shape[1] * 4
-        plain = [(matcher, row) for matcher, row, proposed in rows if not proposed]
-        after_proposals = [(matcher, row, list(proposed)) for matcher, row, proposed in rows if proposed]
-        base, num_rows, executor = bitmask.data_ptr(), bitmask.shape[0], self._executor
+        base, num_rows, executor, consumer = bitmask.data_ptr(), bitmask.shape[0], self._executor, self._consumer
+        num_masks = len(rows) + sum(len(r.proposed) for r in rows)
 
         def fill() -> None:
             start = time.perf_counter()
+            matchers = [m.result() if isinstance(m, Future) else m for m, _, _, _ in rows]
+            advance_all(consumer, [(matcher, r.new_tokens) for matcher, r in zip(matchers, rows) if r.new_tokens])
+            plain, after_proposals = [], []
+            with torch.inference_mode():  # (the bitmask may be an inference tensor: this thread is not in that mode)
+                for matcher, (_, row, _, proposed) in zip(matchers, rows):
+                    if matcher.is_error():
+                        bitmask[row:row + 1 + len(proposed)] = -1
+                    elif proposed:  # (llguidance leaves the rows it does not reach as they were)
+                        bitmask[row + 1:row + 1 + len(proposed)] = self.eos_only
+                        after_proposals.append((matcher, row, list(proposed)))
+                    else:
+                        plain.append((matcher, row))
             if len(plain) == 1:  # (the pool would only add its hand-over)
                 matcher, row = plain[0]
                 matcher.unsafe_compute_mask_ptr(base + row * row_bytes, row_bytes)
@@ -151,7 +199,7 @@ class Grammars:
                 executor.unsafe_compute_mask_ptr_with_draft_token(after_proposals, base, row_bytes, num_rows)
             self.mask_seconds += time.perf_counter() - start
             self.mask_batches += 1
-            self.mask_rows += len(rows) + sum(len(proposed) for _, _, proposed in rows)
+            self.mask_rows += num_masks
 
         if self.background:
             return self._thread.submit(fill)
@@ -195,7 +243,7 @@ class Grammars:
         return only_row(self.vocab_size, eos)
 
 
-def advance(matcher, tokens: list[int]) -> None:
+def advance(matcher, tokens: Sequence[int]) -> None:
     """Feed a sequence's new tokens to its matcher. Once its grammar is complete the matcher takes
     nothing more, not even a second EOS (with ignore_eos a sequence goes on past the first): the
     tokens after completion are left out, so the mask stays "EOS only" instead of the matcher
@@ -204,6 +252,20 @@ def advance(matcher, tokens: list[int]) -> None:
         if matcher.is_stopped():
             return
         matcher.consume_token(token_id)
+
+
+def advance_all(executor, pairs: list[tuple[Any, Sequence[int]]]) -> None:
+    """`advance` for many (matcher, tokens) at once, without the GIL: the matchers take their j-th
+    tokens in one call into an llguidance executor (one by one where llguidance is older than that
+    call)."""
+    together = getattr(executor, "consume_token_par", None)
+    for j in range(max((len(tokens) for _, tokens in pairs), default=0)):
+        batch = [(matcher, tokens[j]) for matcher, tokens in pairs if len(tokens) > j and not matcher.is_stopped()]
+        if together is not None and len(batch) > 1:
+            together(batch)
+        else:
+            for matcher, token_id in batch:
+                matcher.consume_token(token_id)
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "choice": "choice",
