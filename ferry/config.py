@@ -20,7 +20,10 @@ from collections.abc import Sequence
 from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
 from types import UnionType
-from typing import Any, NamedTuple, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args, get_origin, get_type_hints
+
+if TYPE_CHECKING:
+    from ferry.quantization.config import Fp8Spec
 
 # The dtypes a model runs in, by torch's names, and their bytes per element. Configuration is plain
 # data (no torch here: the scheduler's side imports it); the executor turns a name into a torch dtype.
@@ -30,12 +33,14 @@ _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
 def option(
     default: Any, *, help: str, choices: Sequence[str] | None = None, name: str | None = None,
-    flag: bool = True,
+    flag: bool = True, short: str | None = None,
 ) -> Any:
     """A field that is a user-settable engine option, with its default and help text (and choices),
     written here once. `name`: the option's name where it is not the field's (`model` is
-    ModelConfig.path); `flag=False`: a keyword argument of `LLM` only, not on the command line."""
-    metadata = {"help": help, "choices": tuple(choices) if choices else None, "name": name, "flag": flag}
+    ModelConfig.path); `flag=False`: a keyword argument of `LLM` only, not on the command line;
+    `short`: a one-letter flag beside the long one, as vLLM has it (-q)."""
+    metadata = {"help": help, "choices": tuple(choices) if choices else None, "name": name, "flag": flag,
+                "short": short}
     return field(default=default, metadata=metadata)
 
 
@@ -59,6 +64,9 @@ class ModelConfig:
                               help="dummy: random weights from config.json alone, for benchmarks")
     generation_config: str = option("auto", help="where EOS ids come from: auto (the model's generation_config.json), "
                                                  "vllm (config.json only), or a folder with a generation_config.json")
+    quantization: str | None = option(None, choices=("fp8", "compressed-tensors", "none"), short="-q",
+                                      help="fp8: FP8 weights, quantized at load from a 16-bit checkpoint (a checkpoint "
+                                           "quantized already runs as it is, without this)")
     # Read from the model's folder, not set: config.json, and the EOS ids that generation_config chose.
     hf_config: dict[str, Any] = field(repr=False, kw_only=True)
     eos_token_ids: tuple[int, ...] = field(kw_only=True)
@@ -70,6 +78,14 @@ class ModelConfig:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def quantization_spec(self) -> Fp8Spec | None:
+        """How the linear layers hold their weights (quantization/config.py): the checkpoint's
+        quantization_config, or the quantization asked for; None: as the checkpoint has them."""
+        from ferry.quantization.config import resolve_quantization
+
+        return resolve_quantization(self.quantization, self.hf_config)
 
     @property
     def architecture(self) -> str:
@@ -105,6 +121,7 @@ class ModelConfig:
         device: str = "cpu",
         tokenizer: str | Path | None = None,
         generation_config: str = "auto",
+        quantization: str | None = None,
     ) -> ModelConfig:
         """The model's config from its folder: dtype "auto" and max_model_len None decided (see
         resolve_dtype; the context is the model's max_position_embeddings). generation_config: where
@@ -139,6 +156,7 @@ class ModelConfig:
             load_format=load_format,
             tokenizer=Path(tokenizer) if tokenizer is not None else None,
             generation_config=generation_config,
+            quantization=_checked_quantization(quantization, hf_config, config_file),
         )
 
     def check_folder(self) -> None:
@@ -150,6 +168,15 @@ class ModelConfig:
             raise FileNotFoundError(f"no config.json in model folder {self.path}")
         if json.loads(config_file.read_text()) != self.hf_config:
             raise ValueError(f"{config_file} has changed since the engine's configuration was read from it")
+
+
+def _checked_quantization(quantization: str | None, hf_config: dict[str, Any], config_file: Path) -> str | None:
+    """The quantization option as given, once the checkpoint's quantization_config and it are known
+    to go together (an error naming the problem otherwise)."""
+    from ferry.quantization.config import resolve_quantization
+
+    resolve_quantization(quantization, hf_config)
+    return None if quantization == "none" else quantization
 
 
 def resolve_dtype(dtype: Any, hf_config: dict[str, Any], device: str = "cpu") -> str:
@@ -355,6 +382,10 @@ class EngineOption(NamedTuple):
     def flag(self) -> bool:
         """On the command line (otherwise a keyword argument of `LLM` alone)."""
         return self.field.metadata["flag"]
+
+    @property
+    def short(self) -> str | None:
+        return self.field.metadata["short"]
 
 
 def field_types(cls: type) -> dict[str, type]:

@@ -5,7 +5,7 @@ each option's default and help text and are named after `LLM`'s keyword argument
 the field `block_size` is `--block-size`, a boolean `enable_prefix_caching` is
 `--enable-prefix-caching/--no-enable-prefix-caching`. `engine_config` turns the parsed options into
 the `EngineConfig`. vLLM's launch lines work unchanged: an option with vLLM's meaning that ferry has
-no other value for yet (`--tensor-parallel-size 2`, `--quantization fp8`) is an error naming the
+no other value for yet (`--tensor-parallel-size 2`, `--kv-cache-dtype fp8`) is an error naming the
 option and the value, and an option that changes nothing in ferry (`--enable-chunked-prefill`,
 always on) is accepted and says so in its help.
 """
@@ -46,14 +46,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     for option in ENGINE_OPTIONS.values():
         if option.flag:
-            group.add_argument("--" + option.name.replace("_", "-"), default=option.default, help=option.help,
-                               **_parsing(option))
+            flags = ["--" + option.name.replace("_", "-"), *([option.short] if option.short else [])]
+            group.add_argument(*flags, default=option.default, help=option.help, **_parsing(option))
     vllm = parser.add_argument_group("vLLM's options ferry has one value for")
     vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                       help="GPUs per replica; ferry runs on one (tensor parallelism is not built yet)")
     vllm.add_argument("--kv-cache-dtype", default="auto",
                       help="auto: the model's dtype (an FP8 KV cache is not built yet)")
-    vllm.add_argument("--quantization", "-q", default=None, help="none: the checkpoint's weights as they are")
     vllm.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                       help="always on in ferry: long prompts are cut into chunks that share steps with decodes")
     vllm.add_argument("--swap-space", type=float, default=0,
@@ -85,8 +84,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
           "ferry runs on one GPU; tensor parallelism is not built yet")
     _only(args.kv_cache_dtype == "auto", "--kv-cache-dtype", args.kv_cache_dtype,
           "the KV cache is kept in the model's dtype; an FP8 KV cache is not built yet")
-    _only(args.quantization in (None, "none"), "--quantization", args.quantization,
-          "ferry runs the checkpoint's weights as they are; quantization is not built yet")
     _only(args.enable_chunked_prefill, "--no-enable-chunked-prefill", "",
           "ferry always chunks long prompts (a step mixes prefill chunks with decodes)")
     return {name: getattr(args, name) for name, option in ENGINE_OPTIONS.items() if option.flag and name != "model"}

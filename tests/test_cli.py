@@ -62,7 +62,7 @@ def test_serve_help_documents_every_flag_with_its_default(capsys):
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: ferry runs on one GPU"),
     (["-tp", "4"], "--tensor-parallel-size 4"),
     (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8:"),
-    (["--quantization", "fp8"], "--quantization fp8:"),
+    (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: ferry always chunks"),
 ])
 def test_values_ferry_lacks_are_errors_naming_the_flag(capsys, argv, message):

@@ -22,6 +22,7 @@ from torch import nn
 if TYPE_CHECKING:
     from ferry.layers.gemv import GemvConfig
     from ferry.layers.norm import RMSNorm
+    from ferry.quantization.fp8 import Fp8Linear
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +36,13 @@ class Linear(nn.Linear):
     # The small op that feeds this layer in the model ("rms_norm": forward_rms_norm, "silu_and_mul":
     # forward_silu_and_mul), set by the model: tuning times the layer together with it.
     input_op: str | None = None
+    # With FP8 weights (quantization/fp8.py): how the layer computes with them, and the layer holds
+    # weight_scale (and input_scale) beside its float8 weight. None: 16-bit weights.
+    fp8: Fp8Linear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.apply(self, x)
         config = self._gemv_config(x)
         if config is not None:
             return _gemv().gemv(x, self.weight, self.bias, config)
@@ -82,7 +88,7 @@ def _gemv():
 def tune_small_batch(model: nn.Module) -> None:
     """Measure, once per distinct shape, whether the GEMV kernel beats cuBLAS for small batches,
     and set each `Linear`'s configurations accordingly. CUDA only; a no-op elsewhere."""
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m.fp8 is None]
     if not layers or layers[0].weight.device.type != "cuda":
         return
     choices: dict[tuple, tuple[tuple[tuple[int, GemvConfig | None], ...], bool]] = {}
@@ -124,6 +130,17 @@ class MergedLinear(Linear):
             rows[name] = slice(start, start + size)
             start += size
         return rows
+
+    def shard_views(self, param_name: str, param: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Checkpoint projection name -> the part of the parameter it fills: rows of the weight, the
+        bias and per-row scales, rows of blocks of block scales, an entry of the input scales."""
+        if param_name == "input_scale":  # (FP8: one per projection)
+            return {name: param[i:i + 1] for i, name in enumerate(self.output_sizes)}
+        rows = self.shard_rows()
+        if param_name == "weight_scale" and param.dim() == 2:  # (FP8 block scales: whole blocks of rows)
+            block = self.fp8.block[0]
+            return {name: param[r.start // block:r.stop // block] for name, r in rows.items()}
+        return {name: param[r] for name, r in rows.items()}
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(..., sum(sizes)) -> one (..., size) view per projection."""

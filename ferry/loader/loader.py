@@ -3,6 +3,10 @@
 Loading is a name-for-name copy: every checkpoint tensor has a destination named exactly as in the
 checkpoint. Most destinations are parameters; projections that ferry merges into one matmul
 (q/k/v, gate/up) contribute one destination per checkpoint name, a view of their rows.
+
+With FP8 (quantization/): a checkpoint that holds float8 weights gets layers of its layout before
+the copy (`prepare_fp8`), and its scales are copied like weights (a scale per tensor spread over
+the rows it scales); a 16-bit checkpoint, or random weights, is quantized after it (`quantize_model`).
 """
 
 from __future__ import annotations
@@ -32,11 +36,28 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
     files = checkpoint_files(model_config.path) if model_config.load_format == "auto" else []
     with torch.device(device), _default_dtype(getattr(torch, model_config.dtype)):
         model = model_class(model_config)
+    spec = model_config.quantization_spec
     if model_config.load_format == "dummy":
         init_dummy_weights(model, torch.device(device))
+    elif spec is not None and spec.prequantized:
+        from ferry.quantization.fp8 import prepare_fp8
+
+        prepare_fp8(model, spec)
+        load_weights(model, _fp8_names(iterate_tensors(files)))
+        return model.eval().requires_grad_(False)
     else:
         load_weights(model, iterate_tensors(files))
+    if spec is not None:
+        from ferry.quantization.fp8 import quantize_model
+
+        quantize_model(model, spec)
     return model.eval().requires_grad_(False)
+
+
+def _fp8_names(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Hugging Face's FP8 checkpoints call the weight scale `weight_scale_inv` (it multiplies)."""
+    for name, tensor in tensors:
+        yield name.removesuffix("_inv") if name.endswith(".weight_scale_inv") else name, tensor
 
 
 @torch.no_grad()
@@ -53,12 +74,23 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             continue
         dest = targets.pop(name)
         if dest.shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}")
+            tensor = _fitted_scale(name, tensor, dest)
         dest.copy_(tensor)
     if unexpected:
         raise ValueError(f"checkpoint has tensors this model does not use: {_some(unexpected)}")
     if targets:
         raise ValueError(f"checkpoint is missing tensors: {_some(sorted(targets))}")
+
+
+def _fitted_scale(name: str, tensor: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """A quantization scale in the shape of its destination: (N, 1) per-channel scales as (N,), one
+    scale per tensor spread over the rows it scales. Any other mismatch is an error."""
+    if name.endswith("_scale"):
+        if tensor.numel() == dest.numel():
+            return tensor.reshape(dest.shape)
+        if tensor.numel() == 1:
+            return tensor.reshape(()).expand(dest.shape)
+    raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, model expects {tuple(dest.shape)}")
 
 
 def weight_targets(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -70,8 +102,8 @@ def weight_targets(model: nn.Module) -> dict[str, torch.Tensor]:
             if isinstance(module, MergedLinear):
                 # model.layers.0.self_attn.qkv_proj -> model.layers.0.self_attn.{q,k,v}_proj
                 parent = module_name.rpartition(".")[0]
-                for shard, rows in module.shard_rows().items():
-                    targets[f"{parent}.{shard}.{param_name}"] = param[rows]
+                for shard, view in module.shard_views(param_name, param).items():
+                    targets[f"{parent}.{shard}.{param_name}"] = view
             else:
                 targets[prefix + param_name] = param
     for name in _ignored_names(model):
