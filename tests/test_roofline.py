@@ -102,7 +102,7 @@ def test_attention_flops_by_hand():
 
 
 def test_step_cost_by_hand():
-    flops, nbytes = TINY.step_cost(STEP, sampled_rows=2)
+    flops, nbytes, _ = TINY.step_cost(STEP, sampled_rows=2)
     # linears over 4 tokens + lm_head over 2 rows + attention over 6 + 5 (query, key) pairs
     assert flops == 2 * 1000 * 4 + 2 * 800 * 2 + 64 * 11
     kv = 2 * 2 * 1 * 4 * 2 * (3 + 5)  # per token: K and V in 2 layers; each request's whole context once
@@ -119,7 +119,7 @@ def test_tied_embedding_is_read_once():
 
 
 def test_step_bound_is_the_larger_of_compute_and_memory():
-    flops, nbytes = TINY.step_cost(STEP, 2)
+    flops, nbytes, _ = TINY.step_cost(STEP, 2)
     compute_bound = Hardware(peak_flops=flops, bandwidth_bytes_per_s=nbytes * 10, name="slow matmul")
     memory_bound = Hardware(peak_flops=flops * 10, bandwidth_bytes_per_s=nbytes / 2, name="slow memory")
     assert step_bound(STEP, 2, TINY, compute_bound) == pytest.approx(1.0)
@@ -139,7 +139,7 @@ def test_batch_1_decode_bounds_on_the_h200():
 
 def test_long_prefill_is_compute_bound():
     llama = cost_of(BENCHMARKS / "llama-3.1-8b")
-    flops, nbytes = llama.step_cost([(8192, 8192)], 1)
+    flops, nbytes, _ = llama.step_cost([(8192, 8192)], 1)
     attention = 4 * 32 * 32 * 128 * (8192 * 8193 // 2)
     assert flops == 2 * 8192 * (8_030_261_248 - 2 * 128256 * 4096 - 65 * 4096) + 2 * 128256 * 4096 + attention
     assert step_bound([(8192, 8192)], 1, llama, H200) == pytest.approx(flops / 773e12)
@@ -219,3 +219,22 @@ def test_subcommands_register():
     assert args.benchmark == "throughput" and args.input_len == [100, 1024]
     args = parser.parse_args(["bench", "latency", "--batch-size", "4"])
     assert args.benchmark == "latency" and args.max_num_seqs is None and args.device == "auto"
+
+
+def test_fp8_weights_are_a_byte_and_their_matmuls_run_at_the_fp8_peak():
+    """With --quantization fp8 the decoder layers' linear weights are one byte each (the embedding
+    and norms stay bf16), and the linears' FLOPs meet the FP8 peak instead of the bf16 one."""
+    path = BENCHMARKS / "llama-3.1-8b"
+    bf16, fp8 = cost_of(path), ModelCost.from_model_config(
+        ModelConfig.from_pretrained(path, "bfloat16", None, "dummy", quantization="fp8"))
+    assert bf16.weight_bytes - fp8.weight_bytes == bf16.linear_params  # two bytes a weight -> one
+    assert fp8.kv_bytes_per_token == bf16.kv_bytes_per_token
+    decode = [(1, 1000)] * 64
+    assert fp8.step_cost(decode, 64).bytes == bf16.step_cost(decode, 64).bytes - bf16.linear_params
+    prefill = [(8192, 8192)]
+    cost = fp8.step_cost(prefill, 1)
+    assert cost.fp8_flops == 2 * fp8.linear_params * 8192 and bf16.step_cost(prefill, 1).fp8_flops == 0
+    with_fp8 = Hardware(773e12, 4.27e12, "H200", fp8_peak_flops=1400e12)
+    expected = (cost.flops - cost.fp8_flops) / 773e12 + cost.fp8_flops / 1400e12
+    assert step_bound(prefill, 1, fp8, with_fp8) == pytest.approx(expected)
+    assert step_bound(prefill, 1, fp8, H200) == pytest.approx(cost.flops / 773e12)  # no FP8 peak: the bf16 one

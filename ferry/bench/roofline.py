@@ -18,8 +18,14 @@ read whole as the lm_head), the cached context's K and V, and the new tokens' K 
 Activations, logits and norm arithmetic are left out: they are small, or avoidable by fusion, and a
 bound must never be slower than what is possible.
 
-The ceilings are measured, not taken from a datasheet: peak is a large matmul in the model's dtype,
-bandwidth a device-to-device copy counted as bytes read plus bytes written.
+With FP8 weights (quantization/) a linear weight is one byte and the linears' FLOPs run at the FP8
+peak; the lm_head, the embeddings and attention stay 16-bit:
+
+    time   >= max(2 P Σq_i / FP8 peak + (the other FLOPs) / peak, bytes / bandwidth)
+
+The ceilings are measured, not taken from a datasheet: peak is a large matmul in the model's dtype
+(and one of e4m3 operands, `torch._scaled_mm`, where FP8 runs), bandwidth a device-to-device copy
+counted as bytes read plus bytes written.
 """
 
 from __future__ import annotations
@@ -48,9 +54,11 @@ class Hardware:
     peak_flops: float  # FLOP/s of a large matmul in the model's dtype
     bandwidth_bytes_per_s: float  # device memory, bytes read + bytes written per second
     name: str
+    fp8_peak_flops: float | None = None  # of an e4m3 matmul; None: not measured (no FP8 matmul here)
 
     def describe(self) -> str:
-        return f"{self.name}: {self.peak_flops / 1e12:.1f} TFLOP/s, {self.bandwidth_bytes_per_s / 1e12:.2f} TB/s"
+        fp8 = f" ({self.fp8_peak_flops / 1e12:.1f} in FP8)" if self.fp8_peak_flops else ""
+        return f"{self.name}: {self.peak_flops / 1e12:.1f} TFLOP/s{fp8}, {self.bandwidth_bytes_per_s / 1e12:.2f} TB/s"
 
 
 def measure_hardware(device: str | torch.device, dtype: torch.dtype | None = None) -> Hardware:
@@ -63,12 +71,14 @@ def measure_hardware(device: str | torch.device, dtype: torch.dtype | None = Non
         name = torch.cuda.get_device_name(device)
         flops = _matmul_flops(device, dtype or torch.bfloat16, size=8192, reps=10)
         bandwidth = _copy_bandwidth(device, nbytes=1 << 30, reps=10)
+        fp8 = _fp8_matmul_flops(device, size=8192, reps=10)
         torch.cuda.empty_cache()  # give the buffers back before the KV cache is sized from free memory
     else:
         name = platform.processor() or platform.machine() or "cpu"
         flops = _matmul_flops(device, dtype or torch.float32, size=1024, reps=3)
         bandwidth = _copy_bandwidth(device, nbytes=1 << 27, reps=3)
-    return Hardware(flops, bandwidth, name)
+        fp8 = None
+    return Hardware(flops, bandwidth, name, fp8)
 
 
 def _matmul_flops(device: torch.device, dtype: torch.dtype, size: int, reps: int) -> float:
@@ -77,6 +87,19 @@ def _matmul_flops(device: torch.device, dtype: torch.dtype, size: int, reps: int
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     return 2 * size**3 / _best_time(lambda: torch.mm(a, b), device, reps)
+
+
+def _fp8_matmul_flops(device: torch.device, size: int, reps: int) -> float | None:
+    """FLOP/s of torch._scaled_mm on e4m3 operands (bf16 out), or None where it does not run."""
+    import torch
+
+    try:
+        a = torch.randn(size, size, device=device).to(torch.float8_e4m3fn)
+        b = torch.randn(size, size, device=device).to(torch.float8_e4m3fn).t()  # (column-major, as cuBLASLt takes it)
+        one = torch.ones((), device=device)
+        return 2 * size**3 / _best_time(lambda: torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16), device, reps)
+    except (RuntimeError, AttributeError, TypeError):  # an older GPU, or a torch without the op
+        return None
 
 
 def _copy_bandwidth(device: torch.device, nbytes: int, reps: int) -> float:
@@ -124,7 +147,7 @@ def hardware_from_args(args: argparse.Namespace, device: str, dtype: torch.dtype
     return Hardware(
         args.peak_tflops * 1e12 if args.peak_tflops is not None else measured.peak_flops,
         args.bandwidth_tbps * 1e12 if args.bandwidth_tbps is not None else measured.bandwidth_bytes_per_s,
-        measured.name,
+        measured.name, measured.fp8_peak_flops,
     )
 
 
@@ -134,6 +157,12 @@ def hardware_from_args(args: argparse.Namespace, device: str, dtype: torch.dtype
 class StepCost(NamedTuple):
     flops: float
     bytes: float
+    fp8_flops: float = 0.0  # the part of `flops` in FP8 matmuls (the linears, with FP8 weights)
+
+    def compute_seconds(self, hw: Hardware) -> float:
+        """The FLOPs at their peaks (the FP8 ones at the FP8 peak, where there is one)."""
+        fp8_peak = hw.fp8_peak_flops or hw.peak_flops
+        return (self.flops - self.fp8_flops) / hw.peak_flops + self.fp8_flops / fp8_peak
 
 
 @dataclass(frozen=True)
@@ -151,10 +180,13 @@ class ModelCost:
     tied: bool  # lm_head is the embedding matrix
     weight_itemsize: int
     kv_itemsize: int
+    linear_itemsize: int = 0  # bytes of a decoder layer's linear weight; 0: weight_itemsize
+    fp8_linears: bool = False  # the linears' matmuls run in FP8
 
     @classmethod
     def from_model_config(cls, config: ModelConfig) -> ModelCost:
         hf = config.hf_config
+        fp8 = config.quantization_spec  # (FP8 weights: a byte each, scales aside)
         h, d = hf["hidden_size"], config.head_dim
         q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
         bias = bool(hf.get("attention_bias", False))
@@ -177,6 +209,7 @@ class ModelCost:
             linear_params=config.num_layers * (attn + mlp), norm_params=config.num_layers * norms + h,
             tied=bool(hf.get("tie_word_embeddings", False)),
             weight_itemsize=config.dtype_bytes, kv_itemsize=config.dtype_bytes,
+            linear_itemsize=1 if fp8 else config.dtype_bytes, fp8_linears=fp8 and fp8.activations != "none",
         )
 
     @property
@@ -190,7 +223,11 @@ class ModelCost:
 
     @property
     def weight_bytes(self) -> int:
-        return self.num_params * self.weight_itemsize
+        return (self.num_params - self.linear_params) * self.weight_itemsize + self.linear_params * self._linear_bytes
+
+    @property
+    def _linear_bytes(self) -> int:
+        return self.linear_itemsize or self.weight_itemsize
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -211,16 +248,17 @@ class ModelCost:
         gathered = min(num_tokens, self.vocab_size) * self.hidden_size
         lm_head = self.embedding_params if sampled_rows else 0
         head = max(gathered, lm_head) if self.tied else gathered + lm_head
-        weights = (self.linear_params + self.norm_params + head) * self.weight_itemsize
+        weights = self.linear_params * self._linear_bytes + (self.norm_params + head) * self.weight_itemsize
         kv = self.kv_bytes_per_token * sum(s for _, s in step)  # c_i read + q_i written = s_i
-        return StepCost(float(flops), float(weights + kv))
+        fp8_flops = 2 * self.linear_params * num_tokens if self.fp8_linears else 0
+        return StepCost(float(flops), float(weights + kv), float(fp8_flops))
 
 
 def step_bound(step: Step, sampled_rows: int, cost: ModelCost, hw: Hardware) -> float:
     """Seconds one forward over `step` needs at least: its FLOPs at peak or its bytes at full
     bandwidth, whichever takes longer."""
-    flops, nbytes = cost.step_cost(step, sampled_rows)
-    return max(flops / hw.peak_flops, nbytes / hw.bandwidth_bytes_per_s)
+    step_cost = cost.step_cost(step, sampled_rows)
+    return max(step_cost.compute_seconds(hw), step_cost.bytes / hw.bandwidth_bytes_per_s)
 
 
 # ---- what the engine ran ----

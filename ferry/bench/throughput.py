@@ -124,10 +124,10 @@ def bound_summary(steps: list[RecordedStep], cost: ModelCost, hw) -> dict:
     """The bound of the recorded steps, split by which ceiling each step meets."""
     compute = memory = flops = nbytes = 0.0
     for s in steps:
-        step_flops, step_bytes = cost.step_cost(s.step, s.sampled_rows)
-        flops, nbytes = flops + step_flops, nbytes + step_bytes
+        step_cost = cost.step_cost(s.step, s.sampled_rows)
+        flops, nbytes = flops + step_cost.flops, nbytes + step_cost.bytes
         t = step_bound(s.step, s.sampled_rows, cost, hw)
-        if step_flops / hw.peak_flops >= step_bytes / hw.bandwidth_bytes_per_s:
+        if step_cost.compute_seconds(hw) >= step_cost.bytes / hw.bandwidth_bytes_per_s:
             compute += t
         else:
             memory += t
@@ -156,7 +156,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "model": str(args.model), "architecture": engine.config.model.architecture,
         "dtype": engine.config.model.dtype, "device": args.device,
-        "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "bandwidth_bytes_per_s": hw.bandwidth_bytes_per_s},
+        "hardware": {"name": hw.name, "peak_flops": hw.peak_flops, "bandwidth_bytes_per_s": hw.bandwidth_bytes_per_s,
+                     "fp8_peak_flops": hw.fp8_peak_flops},
         "num_requests": len(prompts), "input_len": input_len, "output_len": output_len,
         "input_tokens": input_tokens, "output_tokens": generated, "expected_output_tokens": sum(output_lens),
         "elapsed_s": elapsed,

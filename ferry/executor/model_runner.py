@@ -610,7 +610,12 @@ def build_model_runner(
     start = time.perf_counter()
     model = load_model(config.model, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    logger.info("model loaded in %.1f s: %.2f GB of weights on %s", time.perf_counter() - start, weight_bytes / 1e9, device)
+    spec = config.model.quantization_spec
+    layout = "" if spec is None else (
+        f", linear layers in FP8 ({'block scales ' + 'x'.join(map(str, spec.weight_block)) if spec.weight_block else 'a scale per row'}, "
+        f"{'16-bit' if spec.activations == 'none' else spec.activations} activations)")
+    logger.info("model loaded in %.1f s: %.2f GB of weights on %s%s", time.perf_counter() - start, weight_bytes / 1e9,
+                device, layout)
     tune_small_batch(model)  # before the KV cache takes the memory, and before graphs capture
     bytes_per_block = kv_cache_bytes_per_block(config.model, config.cache.block_size)
     num_blocks = _num_kv_blocks(config, bytes_per_block)
