@@ -611,9 +611,7 @@ def build_model_runner(
     model = load_model(config.model, device)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     spec = config.model.quantization_spec
-    layout = "" if spec is None else (
-        f", linear layers in FP8 ({'block scales ' + 'x'.join(map(str, spec.weight_block)) if spec.weight_block else 'a scale per row'}, "
-        f"{'16-bit' if spec.activations == 'none' else spec.activations} activations)")
+    layout = "" if spec is None else f", linear layers in FP8 ({spec.describe()})"
     logger.info("model loaded in %.1f s: %.2f GB of weights on %s%s", time.perf_counter() - start, weight_bytes / 1e9,
                 device, layout)
     tune_small_batch(model)  # before the KV cache takes the memory, and before graphs capture

@@ -39,6 +39,11 @@ class Fp8Spec:
     scale_name: str  # the weight scale's name in the checkpoint: weight_scale or weight_scale_inv
     ignore: tuple[str, ...] = ()  # checkpoint module names (or "re:" patterns) kept in 16 bits
 
+    def describe(self) -> str:
+        """For the start-up log: 'a scale per row, dynamic activations'."""
+        scales = "block scales " + "x".join(map(str, self.weight_block)) if self.weight_block else "a scale per row"
+        return f"{scales}, {'16-bit' if self.activations == 'none' else self.activations} activations"
+
     def ignores(self, module_name: str) -> bool:
         """Whether a checkpoint module (model.layers.0.self_attn.q_proj) stays in 16 bits."""
         for pattern in self.ignore:
@@ -94,12 +99,16 @@ def _hf_fp8(config: dict[str, Any]) -> Fp8Spec:
 def _compressed_tensors(config: dict[str, Any]) -> Fp8Spec:
     where = "config.json quantization_config (compressed-tensors)"
     groups = config.get("config_groups") or {}
+    if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
+        raise ValueError(f"{where}: config_groups must be an object of objects")
     if len(groups) != 1:
         raise ValueError(f"{where}: ferry runs one config group (every quantized layer alike), got {len(groups)}")
     (group,) = groups.values()
     if "Linear" not in (group.get("targets") or []):
         raise ValueError(f"{where}: the config group must target Linear layers, got {group.get('targets')}")
     weights, inputs = group.get("weights") or {}, group.get("input_activations")
+    if not isinstance(weights, dict) or not isinstance(inputs, (dict, type(None))):
+        raise ValueError(f"{where}: weights and input_activations must be objects")
     if (weights.get("type"), weights.get("num_bits")) != ("float", 8) or not weights.get("symmetric", True):
         raise ValueError(f"{where}: ferry runs symmetric float8 weights, got {weights}")
     strategy = weights.get("strategy")

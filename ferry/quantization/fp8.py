@@ -65,8 +65,8 @@ def quantize_activations(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(M, K) -> (M, K) float8 and float32 scales: (M, 1), one per token; (M, ceil(K / group)),
     one per token and `group` columns; or the static scale given, as (1, 1)."""
-    if static_scale is not None:
-        scale = static_scale.float().reshape(1, 1)
+    if static_scale is not None:  # (a checkpoint's zero would divide by zero)
+        scale = static_scale.float().reshape(1, 1).clamp(min=_MIN_SCALE)
         return _to_fp8(x.float() / scale), scale
     if group is None:
         scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX

@@ -38,15 +38,13 @@ class HostBitmasks:
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._on_device: list[torch.Tensor | None] = [None, None]
         self._copied: list[torch.cuda.Event | None] = [None, None]  # recorded behind each one's last copy
-        self._pending = [False, False]  # a copy not yet waited for
         self._turn = 0
 
     def take(self, num_rows: int) -> torch.Tensor:
         """A (num_rows, words) int32 host view, its contents left from before: fill every row."""
         i = self._turn = 1 - self._turn
-        if self._pending[i]:
-            self._copied[i].synchronize()
-            self._pending[i] = False
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()  # (at once for an event never recorded)
         buffer = self._buffers[i]
         if buffer is None or buffer.shape[0] < num_rows:
             cuda = self.device.type == "cuda"
@@ -67,7 +65,6 @@ class HostBitmasks:
         on_device = self._on_device[i][:bitmask.shape[0]]
         on_device.copy_(bitmask, non_blocking=True)
         self._copied[i].record()
-        self._pending[i] = True
         return on_device
 
 
