@@ -29,6 +29,9 @@ if TYPE_CHECKING:
 # data (no torch here: the scheduler's side imports it); the executor turns a name into a torch dtype.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+# What the KV cache may hold, as vLLM names it: "auto", the model's dtype; "fp8" (= "fp8_e4m3"),
+# float8 e4m3 values that a per-layer scale (per KV head, from the checkpoint, else 1) multiplies.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 def option(
@@ -218,15 +221,28 @@ def _read_eos_token_ids(hf_config: dict[str, Any], gen_file: Path | None) -> tup
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = option(16, help="tokens per KV cache block")
+    kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES,
+                                 help="auto: the model's dtype; fp8 (fp8_e4m3): a byte per value, twice the tokens, "
+                                      "scaled by the checkpoint's k_scale and v_scale where it has them")
     num_kv_blocks: int | None = option(None, help="KV cache blocks (default: sized from memory)")
     enable_prefix_caching: bool = option(True, help="reuse the KV cache of shared prompt prefixes")
     gpu_memory_utilization: float = option(
         0.9, help="fraction of the GPU's memory for weights, activations and the KV cache")
     cpu_kv_cache_bytes: int = 1 << 30  # KV pool size on CPU when num_kv_blocks is not given
 
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_cache_dtype != "auto"
+
+    def kv_itemsize(self, model: ModelConfig) -> int:
+        """Bytes of one cached K or V value."""
+        return 1 if self.fp8_kv else model.dtype_bytes
+
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0 < self.gpu_memory_utilization <= 1:

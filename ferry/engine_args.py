@@ -5,7 +5,7 @@ each option's default and help text and are named after `LLM`'s keyword argument
 the field `block_size` is `--block-size`, a boolean `enable_prefix_caching` is
 `--enable-prefix-caching/--no-enable-prefix-caching`. `engine_config` turns the parsed options into
 the `EngineConfig`. vLLM's launch lines work unchanged: an option with vLLM's meaning that ferry has
-no other value for yet (`--tensor-parallel-size 2`, `--kv-cache-dtype fp8`) is an error naming the
+no other value for yet (`--tensor-parallel-size 2`) is an error naming the
 option and the value, and an option that changes nothing in ferry (`--enable-chunked-prefill`,
 always on) is accepted and says so in its help.
 """
@@ -51,8 +51,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     vllm = parser.add_argument_group("vLLM's options ferry has one value for")
     vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                       help="GPUs per replica; ferry runs on one (tensor parallelism is not built yet)")
-    vllm.add_argument("--kv-cache-dtype", default="auto",
-                      help="auto: the model's dtype (an FP8 KV cache is not built yet)")
     vllm.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                       help="always on in ferry: long prompts are cut into chunks that share steps with decodes")
     vllm.add_argument("--swap-space", type=float, default=0,
@@ -82,8 +80,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     error naming any option whose value ferry lacks."""
     _only(args.tensor_parallel_size == 1, "--tensor-parallel-size", args.tensor_parallel_size,
           "ferry runs on one GPU; tensor parallelism is not built yet")
-    _only(args.kv_cache_dtype == "auto", "--kv-cache-dtype", args.kv_cache_dtype,
-          "the KV cache is kept in the model's dtype; an FP8 KV cache is not built yet")
     _only(args.enable_chunked_prefill, "--no-enable-chunked-prefill", "",
           "ferry always chunks long prompts (a step mixes prefill chunks with decodes)")
     return {name: getattr(args, name) for name, option in ENGINE_OPTIONS.items() if option.flag and name != "model"}

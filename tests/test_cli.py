@@ -61,7 +61,7 @@ def test_serve_help_documents_every_flag_with_its_default(capsys):
 @pytest.mark.parametrize("argv,message", [
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size 2: ferry runs on one GPU"),
     (["-tp", "4"], "--tensor-parallel-size 4"),
-    (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype fp8:"),
+    (["--kv-cache-dtype", "fp8_e5m2"], "argument --kv-cache-dtype: invalid choice: 'fp8_e5m2'"),
     (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: ferry always chunks"),
 ])

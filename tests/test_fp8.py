@@ -10,7 +10,8 @@ bundled model loses.
   same file (transformers quantizes the activations the same way, per token); a Hugging Face fp8
   checkpoint (128x128-style block scales, `weight_scale_inv`) gives transformers' logits with the
   activations left in 16 bits, transformers' own way on a CPU.
-- The bundled model with FP8 weights keeps its held-out perplexity within 3%.
+- The bundled model with FP8 weights, an FP8 KV cache, and both keeps its held-out perplexity
+  within 3%.
 - A quantization config ferry does not run is an error naming it.
 """
 
@@ -262,13 +263,83 @@ def perplexity(llm, texts: list[str]) -> float:
     return math.exp(total / count)
 
 
-def test_the_bundled_model_with_fp8_weights_keeps_its_perplexity():
+def _with_kv_scales(path: Path, scales: dict[str, torch.Tensor]) -> Path:
+    """The checkpoint at path, plus KV cache scales (checkpoint name -> tensor)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    save_file({**tensors, **scales}, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def _fp8_kv_error(path: Path) -> tuple[float, torch.nn.Module]:
+    """(largest logit difference of ferry with an FP8 KV cache from transformers in float32, ferry's model)."""
+    from ferry.config import ModelConfig
+    from ferry.loader.loader import load_model
+
+    g = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(3, VOCAB_SIZE, (n,), generator=g) for n in TOTAL_LENS]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = [hf(s[None]).logits[0].float() for s in sequences]
+    model_config = ModelConfig.from_pretrained(path)
+    model = load_model(model_config, "cpu")
+    got = run_ferry(model, model_config, sequences, prefill_steps(), 16, kv_cache_dtype="fp8")
+    return _max_diff(got, expected), model
+
+
+def test_kv_cache_scales_load_from_the_checkpoint_and_scale_the_cache(tmp_path):
+    """Per-tensor and per-head k_scale / v_scale, and an older checkpoint's one kv_scale for both, load
+    into the attention layers; the cache's values are divided by them: with scales that clamp most
+    values the logits move far more than with scales that fit them (the kernel tests check the
+    arithmetic itself). The llama tiny model has 2 KV heads and 2 layers, keys and values of order
+    1 and logits up to about 8; e4m3's rounding of K and V alone (scale 1) moves them by about 1.3,
+    the fitted scales here by 1.5, clamping ones by 12."""
+    layer = "model.layers.{}.self_attn."
+    fitted = {layer.format(0) + "k_scale": torch.tensor(0.02), layer.format(0) + "v_scale": torch.tensor([0.01, 0.03]),
+              layer.format(1) + "kv_scale": torch.tensor([0.02])}
+    path = _with_kv_scales(make_tiny_model("llama", tmp_path / "fitted"), fitted)
+    error, model = _fp8_kv_error(path)
+    attn = [model.model.layers[i].self_attn.attn for i in range(2)]
+    assert attn[0].k_scale.tolist() == pytest.approx([0.02, 0.02]) and attn[0].v_scale.tolist() == pytest.approx([0.01, 0.03])
+    assert attn[1].k_scale.tolist() == attn[1].v_scale.tolist() == pytest.approx([0.02, 0.02])
+    clamping = {name: torch.full_like(t, 1e-4) for name, t in fitted.items()}
+    clamped, _ = _fp8_kv_error(_with_kv_scales(make_tiny_model("llama", tmp_path / "clamped"), clamping))
+    assert error < 2.5 and clamped > 5 * error, (error, clamped)  # noqa: PLR2004
+
+
+def test_a_kv_cache_scale_that_is_not_positive_is_an_error_naming_it(tmp_path):
+    from ferry.config import ModelConfig
+    from ferry.loader.loader import load_model
+
+    name = "model.layers.1.self_attn.v_scale"
+    path = _with_kv_scales(make_tiny_model("llama", tmp_path), {name: torch.tensor([0.0])})
+    with pytest.raises(ValueError, match=f"{name}: a KV cache scale must be positive"):
+        load_model(ModelConfig.from_pretrained(path), "cpu")
+
+
+@pytest.fixture(scope="module")
+def held_out():
+    """(texts, the unquantized bundled model's perplexity on them)."""
     from ferry import LLM
 
     texts = _held_out_texts()
     assert len(texts) >= 20  # noqa: PLR2004
     base = perplexity(LLM(), texts)
-    fp8 = LLM(quantization="fp8")
-    assert fp8.engine.executor.model.model.layers[0].mlp.down_proj.weight.dtype == FP8
-    quantized = perplexity(fp8, texts)
-    assert 1 < base < 20 and abs(quantized / base - 1) < 0.03, (base, quantized)  # noqa: PLR2004
+    assert 1 < base < 20  # noqa: PLR2004
+    return texts, base
+
+
+@pytest.mark.parametrize("options", [{"quantization": "fp8"}, {"kv_cache_dtype": "fp8"},
+                                     {"quantization": "fp8", "kv_cache_dtype": "fp8"}], ids=str)
+def test_the_bundled_model_in_fp8_keeps_its_perplexity(held_out, options):
+    """FP8 weights, an FP8 KV cache (its scales 1: the bundled checkpoint has none), and both."""
+    from ferry import LLM
+
+    texts, base = held_out
+    llm = LLM(**options)
+    model = llm.engine.executor.model.model
+    assert (model.layers[0].mlp.down_proj.weight.dtype == FP8) == ("quantization" in options)
+    assert (llm.engine.executor.kv_caches[0].dtype == FP8) == ("kv_cache_dtype" in options)
+    quantized = perplexity(llm, texts)
+    assert abs(quantized / base - 1) < 0.03, (base, quantized)  # noqa: PLR2004

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from ferry.attention.backend import ForwardContext
 from ferry.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from ferry.attention.torch_ref import TorchReferenceBackend
-from ferry.config import ModelConfig
+from ferry.config import CacheConfig, ModelConfig
 from ferry.layers.rotary import inverse_frequencies, rope_parameters
 from ferry.loader.loader import load_model
 from tiny_models import VOCAB_SIZE, chunked_schedule, flat_batch, make_tiny_model, shuffled_block_tables
@@ -56,10 +56,11 @@ def checkpoints(tmp_path_factory):
     return built
 
 
-def run_ferry(model, model_config, sequences, steps, block_size):
+def run_ferry(model, model_config, sequences, steps, block_size, kv_cache_dtype="auto"):
     """Run `steps` of (request, num_computed, num_new); return each request's logits rows in order."""
     tables, num_blocks = shuffled_block_tables([len(s) for s in sequences], block_size)
-    kv_caches = allocate_kv_caches(model_config, num_blocks, block_size, "cpu")
+    cache_config = CacheConfig(block_size=block_size, kv_cache_dtype=kv_cache_dtype)
+    kv_caches = allocate_kv_caches(model_config, cache_config, num_blocks, "cpu")
     logits = [[] for _ in sequences]
     for step in steps:
         positions, metadata = flat_batch([(c, n) for _, c, n in step], [tables[i] for i, _, _ in step], block_size)
@@ -209,7 +210,9 @@ def test_dummy_weights_need_no_checkpoint_and_are_reproducible(tmp_path):
 
 def test_kv_cache_helpers(tmp_path):
     config = ModelConfig.from_pretrained(make_tiny_model("qwen3", tmp_path), dtype="bfloat16")
-    caches = allocate_kv_caches(config, num_blocks=5, block_size=16, device="cpu")
-    assert len(caches) == 2
-    assert caches[0].shape == (2, 5, 16, 2, 32) and caches[0].dtype == torch.bfloat16
-    assert kv_cache_bytes_per_block(config, 16) == sum(c[:, 0].numel() * c.element_size() for c in caches)
+    for cache_config, dtype in ((CacheConfig(block_size=16), torch.bfloat16),
+                                (CacheConfig(block_size=16, kv_cache_dtype="fp8"), torch.float8_e4m3fn)):
+        caches = allocate_kv_caches(config, cache_config, num_blocks=5, device="cpu")
+        assert len(caches) == 2
+        assert caches[0].shape == (2, 5, 16, 2, 32) and caches[0].dtype == dtype
+        assert kv_cache_bytes_per_block(config, cache_config) == sum(c[:, 0].numel() * c.element_size() for c in caches)

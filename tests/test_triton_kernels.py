@@ -53,7 +53,7 @@ class Step:
     block, other requests' blocks) hold values that a kernel reading them would be caught by.
     """
 
-    def __init__(self, chunks, group, block_size, head_dim, dtype, seed=0, q_scale=1.0):
+    def __init__(self, chunks, group, block_size, head_dim, dtype, seed=0, q_scale=1.0, fp8_kv=False):
         g = torch.Generator().manual_seed(seed)
         tables, num_blocks = shuffled_block_tables([c + n for c, n in chunks], block_size, seed)
         _, self.metadata = flat_batch(chunks, tables, block_size)
@@ -63,11 +63,18 @@ class Step:
         self.k, self.v = make(num_tokens, NUM_KV_HEADS, head_dim), make(num_tokens, NUM_KV_HEADS, head_dim)
         self.kv_cache = make(2, num_blocks, block_size, NUM_KV_HEADS, head_dim)
         self.scale = head_dim**-0.5
+        # An FP8 cache: e4m3 values and a K and a V scale per KV head, not 1, so that a kernel
+        # that forgets one (or reads another head's) is caught.
+        self.kv_scales = fp8_scales(seed) if fp8_kv else None
+        if fp8_kv:
+            self.kv_cache = self.kv_cache.float().to(FP8)
         self.to(DEVICE)
 
     def to(self, device):
         for name in ("q", "k", "v", "kv_cache"):
             setattr(self, name, getattr(self, name).to(device))
+        if self.kv_scales is not None:
+            self.kv_scales = tuple(scale.to(device) for scale in self.kv_scales)
         m = self.metadata
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             setattr(m, name, getattr(m, name).to(device))
@@ -75,7 +82,23 @@ class Step:
     def run(self, backend):
         """(output, cache after the step) of `backend`, on a copy of the cache."""
         cache = self.kv_cache.clone()
-        return backend.forward(self.q, self.k, self.v, cache, self.metadata, self.scale), cache
+        return backend.forward(self.q, self.k, self.v, cache, self.metadata, self.scale, self.kv_scales), cache
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_scales(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K's and V's scales, one per KV head, in [0.25, 1.25)."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    return tuple(0.25 + torch.rand(NUM_KV_HEADS, generator=g) for _ in range(2))
+
+
+def same_cache(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (FP8 caches compare as bytes: torch.equal has no float8 kernel everywhere)."""
+    if a.dtype == FP8:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return torch.equal(a, b)
 
 
 def assert_matches_reference(step: Step) -> None:
@@ -83,7 +106,7 @@ def assert_matches_reference(step: Step) -> None:
     out, cache = step.run(TritonAttentionBackend())
     tol = TOLERANCE[step.q.dtype]
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol)
-    assert torch.equal(cache, expected_cache)
+    assert same_cache(cache, expected_cache)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -102,6 +125,37 @@ def test_store_kv_writes_slots_and_skips_padding(dtype):
     reference_store_kv(k, v, expected, slots)
     store_kv(k, v, cache, slots)
     assert torch.equal(cache, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fp8_store_kv_scales_clamps_and_rounds_as_the_reference(dtype):
+    """Each head divided by its own scale, values past e4m3's 448 clamped (not NaN), rounded to
+    nearest even: the same bytes as the reference's, padding rows unwritten."""
+    num_tokens, head_dim, num_slots = 37, 64, 64
+    g = torch.Generator().manual_seed(0)
+    slots = torch.randperm(num_slots, generator=g)[:num_tokens].to(DEVICE)
+    slots[::7] = -1
+    k, v = (200 * torch.randn(num_tokens, NUM_KV_HEADS, head_dim, generator=g) for _ in range(2))
+    k, v = k.to(DEVICE, dtype), v.to(DEVICE, dtype)
+    scales = tuple(scale.to(DEVICE) for scale in fp8_scales(0))
+    cache = torch.randn(2, num_slots // 16, 16, NUM_KV_HEADS, head_dim, generator=g).to(FP8).to(DEVICE)
+    expected = cache.clone()
+    reference_store_kv(k, v, expected, slots, scales)
+    store_kv(k, v, cache, slots, scales)
+    assert same_cache(cache, expected)
+    stored = cache.float().abs()
+    assert stored.max() == 448 and torch.isfinite(stored).all()  # some values clamped
+
+
+@pytest.mark.parametrize("chunks", [DECODE_STEP, MIXED_STEP], ids=["decode", "mixed"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size,head_dim", PAGE_SHAPES)
+@pytest.mark.parametrize("group", [1, 4])
+def test_fp8_cache_matches_reference(group, block_size, head_dim, dtype, chunks):
+    """Both kernels over an FP8 cache (decode rows alone, and prefill beside them) against the
+    reference, which dequantizes the cache and attends in float32: the tolerances of 16-bit caches,
+    because the kernels multiply the same e4m3 numbers (widened exactly) and scales."""
+    assert_matches_reference(Step(chunks, group, block_size, head_dim, dtype, fp8_kv=True))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -135,15 +189,18 @@ SHARED_LENS = [1, 4, 64, 62, 70, 200]
 
 
 def multi_token_decode(
-    query_len, group, block_size, head_dim, dtype, num_splits, config=DecodeConfig(), shared_lens=SHARED_LENS, q_scale=1.0
+    query_len, group, block_size, head_dim, dtype, num_splits, config=DecodeConfig(), shared_lens=SHARED_LENS, q_scale=1.0,
+    fp8_kv=False,
 ):
     """(decode_attention's output, the reference) for query_len tokens of each of shared_lens."""
-    step = Step([(n - 1, query_len) for n in shared_lens], group, block_size, head_dim, dtype, q_scale=q_scale)
+    step = Step([(n - 1, query_len) for n in shared_lens], group, block_size, head_dim, dtype, q_scale=q_scale,
+                fp8_kv=fp8_kv)
     expected, _ = step.run(TorchReferenceBackend())
-    store_kv(step.k, step.v, step.kv_cache, step.metadata.slot_mapping)
+    store_kv(step.k, step.v, step.kv_cache, step.metadata.slot_mapping, step.kv_scales)
     m = step.metadata
     out = torch.full_like(step.q, float("nan"))  # a row left unwritten shows
-    decode_attention(step.q, step.kv_cache, m.block_tables, m.seq_lens, step.scale, out, num_splits, config, query_len=query_len)
+    decode_attention(step.q, step.kv_cache, m.block_tables, m.seq_lens, step.scale, out, num_splits, config,
+                     query_len=query_len, kv_scales=step.kv_scales)
     return out, expected
 
 
@@ -152,6 +209,16 @@ def multi_token_decode(
 @pytest.mark.parametrize("query_len", [1, 2, 5])
 def test_multi_token_decode_matches_reference(query_len, group, num_splits):
     out, expected = multi_token_decode(query_len, group, 16, 64, torch.float32, num_splits, DecodeConfig(block_n=16))
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("query_len", [1, 5])
+def test_fp8_multi_token_decode_across_splits(query_len, num_splits):
+    """V's scale applied to every split's partial output before they merge, and K's in every
+    split's scores (their log-sum-exps must agree for the merge to weigh them right)."""
+    out, expected = multi_token_decode(query_len, 4, 16, 64, torch.float32, num_splits, DecodeConfig(block_n=16),
+                                       fp8_kv=True)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
@@ -244,6 +311,15 @@ PEAKY = 3.0
 def test_long_decode_matches_reference(group, block_size):
     chunks = [(n - 1, 1) for n in LONG_CONTEXTS]
     assert_matches_reference(Step(chunks, group, block_size, 128, torch.bfloat16, q_scale=PEAKY))
+
+
+@gpu_only
+@pytest.mark.parametrize("group", [1, 8])
+def test_long_fp8_decode_and_prefill_match_reference(group):
+    chunks = [(n - 1, 1) for n in LONG_CONTEXTS]
+    assert_matches_reference(Step(chunks, group, 16, 128, torch.bfloat16, q_scale=PEAKY, fp8_kv=True))
+    chunks = [(32768 - 512, 512), (0, 2048), (8000, 192), (4095, 1), (0, 1)]
+    assert_matches_reference(Step(chunks, group, 16, 128, torch.bfloat16, q_scale=PEAKY, fp8_kv=True))
 
 
 @gpu_only

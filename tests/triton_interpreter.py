@@ -4,12 +4,15 @@ from __future__ import annotations
 
 
 def patch_interpreter() -> None:
-    """Two gaps of Triton 3.6's interpreter that the compiled kernels do not have.
+    """Three gaps of Triton 3.6's interpreter that the compiled kernels do not have.
 
     - Loop bounds loaded from memory are 1-element arrays, which it turns into ints with int(),
       an error from NumPy 2.4 on (triton-lang/triton#9171; the upstream fix squeezes first).
     - It stores bfloat16 as uint16 bit patterns and multiplies those in tl.dot
       (triton-lang/triton#11584); widening bf16 operands to fp32 first is exact.
+    - Its narrowing to float8 e4m3 rounds half up and drops the carry into the exponent (7.875
+      becomes 4.0), where the GPU's conversion rounds to nearest even: narrowing goes through torch,
+      which rounds as the GPU does.
     """
     import numpy as np
     import triton.language as tl
@@ -34,5 +37,18 @@ def patch_interpreter() -> None:
     def patched_dot(self, a, b, acc, input_precision, max_num_imprecise_acc):
         return create_dot(self, widen(a), widen(b), acc, input_precision, max_num_imprecise_acc)
 
+    convert_float = interpreter._convert_float
+
+    def patched_convert_float(data, input_dtype, output_dtype, rounding_mode):
+        if output_dtype != tl.float8e4nv or input_dtype.primitive_bitwidth <= 8:
+            return convert_float(data, input_dtype, output_dtype, rounding_mode)
+        import torch
+
+        if input_dtype != tl.float32:  # widening to float32 is exact
+            data = convert_float(data, input_dtype, tl.float32, None).view(np.float32)
+        wide = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+        return wide.to(torch.float8_e4m3fn).view(torch.uint8).numpy().reshape(data.shape)
+
     interpreter._patch_lang_tensor = patched_tensor
     interpreter.InterpreterBuilder.create_dot = patched_dot
+    interpreter._convert_float = patched_convert_float

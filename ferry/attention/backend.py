@@ -10,7 +10,8 @@ context in the KV cache, so its query tokens sit at the last positions of that c
     query token j attends to context positions 0 .. seq_len-query_len+j  (causal)
 
 The KV cache of one layer is one tensor (2, num_blocks, block_size, num_kv_heads, head_dim): K and V
-cut into fixed-size blocks. Token t of request i lives in block `block_tables[i][t // block_size]` at
+cut into fixed-size blocks, in the model's dtype or in float8 e4m3 (torch_ref.py says how FP8
+values are scaled: the layer's `kv_scales`, one K and one V scale per KV head). Token t of request i lives in block `block_tables[i][t // block_size]` at
 offset `t % block_size`; its flat slot is `block * block_size + offset`.
 """
 
@@ -46,6 +47,7 @@ class AttentionBackend(ABC):
 
     Contract: `forward` must write k and v at `metadata.slot_mapping` before attending, because a
     query token attends to its own key. Padding rows (slot -1) must be neither stored nor attended.
+    An FP8 cache comes with its layer's kv_scales; a 16-bit one ignores them.
     """
 
     @abstractmethod
@@ -57,6 +59,7 @@ class AttentionBackend(ABC):
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # (num_kv_heads,) float32 each: K's, V's
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         ...
 

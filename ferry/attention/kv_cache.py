@@ -1,10 +1,11 @@
-"""Allocating the paged KV cache: one tensor per layer, in the layout backend.py describes."""
+"""Allocating the paged KV cache: one tensor per layer, in the layout backend.py describes, in the
+model's dtype or, with kv_cache_dtype "fp8", in float8 e4m3: a byte a value, twice the tokens."""
 
 from __future__ import annotations
 
 import torch
 
-from ferry.config import ModelConfig
+from ferry.config import CacheConfig, ModelConfig
 
 
 def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -12,17 +13,22 @@ def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int) 
     return (2, num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
 
 
-def kv_cache_bytes_per_block(model_config: ModelConfig, block_size: int) -> int:
-    """Bytes one block takes summed over all layers (K and V), in the model's dtype: the unit to
+def kv_cache_dtype(model_config: ModelConfig, cache_config: CacheConfig) -> torch.dtype:
+    return torch.float8_e4m3fn if cache_config.fp8_kv else getattr(torch, model_config.dtype)
+
+
+def kv_cache_bytes_per_block(model_config: ModelConfig, cache_config: CacheConfig) -> int:
+    """Bytes one block takes summed over all layers (K and V), in the cache's dtype: the unit to
     divide a memory budget by to get num_blocks."""
-    per_layer = 2 * block_size * model_config.num_kv_heads * model_config.head_dim
-    return per_layer * model_config.num_layers * model_config.dtype_bytes
+    per_layer = 2 * cache_config.block_size * model_config.num_kv_heads * model_config.head_dim
+    return per_layer * model_config.num_layers * cache_config.kv_itemsize(model_config)
 
 
 def allocate_kv_caches(
-    model_config: ModelConfig, num_blocks: int, block_size: int, device: torch.device | str
+    model_config: ModelConfig, cache_config: CacheConfig, num_blocks: int, device: torch.device | str,
 ) -> list[torch.Tensor]:
     """One zeroed cache tensor per layer. Zeros, not garbage: a kernel that reads a masked slot
     must not meet NaN bit patterns, which would survive multiplication by a zero weight."""
-    shape = kv_cache_shape(model_config, num_blocks, block_size)
-    return [torch.zeros(shape, dtype=getattr(torch, model_config.dtype), device=device) for _ in range(model_config.num_layers)]
+    shape = kv_cache_shape(model_config, num_blocks, cache_config.block_size)
+    dtype = kv_cache_dtype(model_config, cache_config)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model_config.num_layers)]

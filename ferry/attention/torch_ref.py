@@ -3,6 +3,11 @@
 Slow but obviously correct; the fast kernels are tested against it. It reads every key and value
 back out of the paged cache through the block table, even those written in this very step, so
 the paging arithmetic is exercised exactly as a real kernel would use it.
+
+An FP8 cache holds each value divided by its KV head's scale, clamped to e4m3's range and rounded
+to the nearest e4m3 number; reading multiplies the scale back:
+
+    stored = e4m3(clamp(k / k_scale[head], -448, 448))        k ~ stored * k_scale[head]
 """
 
 from __future__ import annotations
@@ -21,34 +26,63 @@ class TorchReferenceBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-        store_kv(k, v, kv_cache, metadata.slot_mapping)
+        store_kv(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         # Rows past the last request (padding) are attended by no one and stay zero.
         out = torch.zeros_like(q)
         starts = metadata.query_start_loc_cpu
         for i, seq_len in enumerate(metadata.seq_lens_cpu):
-            keys, values = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
+            keys, values = gather_kv(kv_cache, metadata.block_tables[i], seq_len, kv_scales)
             rows = slice(starts[i], starts[i + 1])
             out[rows] = causal_attention(q[rows], keys, values, scale)
         return out
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write each token's k and v at its flat slot; slot -1 marks padding and is skipped."""
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    """Write each token's k and v at its flat slot; slot -1 marks padding and is skipped. An FP8
+    cache stores k / k_scale and v / v_scale (kv_scales: two (num_kv_heads,) float32 tensors)."""
     key_cache = kv_cache[0].flatten(0, 1)  # (num_blocks * block_size, num_kv_heads, head_dim), a view
     value_cache = kv_cache[1].flatten(0, 1)
     real = slot_mapping >= 0
-    key_cache[slot_mapping[real]] = k[real].to(kv_cache.dtype)
-    value_cache[slot_mapping[real]] = v[real].to(kv_cache.dtype)
+    key_cache[slot_mapping[real]] = to_cache(k[real], kv_cache.dtype, kv_scales, 0)
+    value_cache[slot_mapping[real]] = to_cache(v[real], kv_cache.dtype, kv_scales, 1)
 
 
-def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's first seq_len keys and values, each (seq_len, num_kv_heads, head_dim)."""
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's first seq_len keys and values, each (seq_len, num_kv_heads, head_dim); from an
+    FP8 cache in float32, scaled back."""
     block_size = kv_cache.shape[2]
     blocks = block_table[: -(-seq_len // block_size)].long()  # the ceil(seq_len / block_size) blocks in use
     keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]  # (num_used_blocks * block_size -> seq_len, kv_heads, head_dim)
     values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    if is_fp8(kv_cache.dtype):
+        keys = keys.float() * kv_scales[0].float()[:, None]
+        values = values.float() * kv_scales[1].float()[:, None]
     return keys, values
+
+
+FP8_MAX = 448.0  # the largest e4m3 number
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype == torch.float8_e4m3fn
+
+
+def to_cache(
+    x: torch.Tensor, dtype: torch.dtype, kv_scales: tuple[torch.Tensor, torch.Tensor] | None, which: int,
+) -> torch.Tensor:
+    """(tokens, num_kv_heads, head_dim) K (which 0) or V (1) as the cache holds them."""
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    scaled = x.float() / kv_scales[which].float()[:, None]
+    return scaled.clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:

@@ -52,8 +52,9 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # (2, num_blocks, block_size, num_kv_heads, head_dim)
         metadata: AttentionMetadata,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-        store_kv(k, v, kv_cache, metadata.slot_mapping)
+        store_kv(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty_like(q)
         num_real = metadata.query_start_loc_cpu[-1] if metadata.num_reqs else 0
@@ -69,11 +70,11 @@ class TritonAttentionBackend(AttentionBackend):
             )
             decode_attention(
                 q[:num_real], kv_cache, metadata.block_tables, metadata.seq_lens, scale, out[:num_real], num_splits,
-                query_len=query_len,
+                query_len=query_len, kv_scales=kv_scales,
             )
         else:
             prefill_attention(
                 q, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
-                num_real, scale, out,
+                num_real, scale, out, kv_scales=kv_scales,
             )
         return out

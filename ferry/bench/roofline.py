@@ -184,7 +184,8 @@ class ModelCost:
     fp8_linears: bool = False  # the linears' matmuls run in FP8
 
     @classmethod
-    def from_model_config(cls, config: ModelConfig) -> ModelCost:
+    def from_model_config(cls, config: ModelConfig, kv_itemsize: int | None = None) -> ModelCost:
+        """kv_itemsize: bytes of a cached K or V value (CacheConfig.kv_itemsize); None: the model's dtype's."""
         hf = config.hf_config
         fp8 = config.quantization_spec  # (FP8 weights: a byte each, scales aside)
         h, d = hf["hidden_size"], config.head_dim
@@ -208,7 +209,7 @@ class ModelCost:
             num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=d,
             linear_params=config.num_layers * (attn + mlp), norm_params=config.num_layers * norms + h,
             tied=bool(hf.get("tie_word_embeddings", False)),
-            weight_itemsize=config.dtype_bytes, kv_itemsize=config.dtype_bytes,
+            weight_itemsize=config.dtype_bytes, kv_itemsize=kv_itemsize or config.dtype_bytes,
             linear_itemsize=1 if fp8 else config.dtype_bytes, fp8_linears=fp8 and fp8.activations != "none",
         )
 

@@ -71,7 +71,8 @@ def setup(args: argparse.Namespace) -> tuple:
     resolve_model_args(args)
     config = engine_config(args)
     hw = hardware_from_args(args, args.device, getattr(torch, config.model.dtype))
-    return build_engine(args, config), hw, ModelCost.from_model_config(config.model)
+    cost = ModelCost.from_model_config(config.model, config.cache.kv_itemsize(config.model))
+    return build_engine(args, config), hw, cost
 
 
 def build_engine(args: argparse.Namespace, config):

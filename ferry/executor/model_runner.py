@@ -615,11 +615,12 @@ def build_model_runner(
     logger.info("model loaded in %.1f s: %.2f GB of weights on %s%s", time.perf_counter() - start, weight_bytes / 1e9,
                 device, layout)
     tune_small_batch(model)  # before the KV cache takes the memory, and before graphs capture
-    bytes_per_block = kv_cache_bytes_per_block(config.model, config.cache.block_size)
+    bytes_per_block = kv_cache_bytes_per_block(config.model, config.cache)
     num_blocks = _num_kv_blocks(config, bytes_per_block)
-    kv_caches = allocate_kv_caches(config.model, num_blocks, config.cache.block_size, device)
-    logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB)", num_blocks, config.cache.block_size,
-                num_blocks * config.cache.block_size, num_blocks * bytes_per_block / 1e9)
+    kv_caches = allocate_kv_caches(config.model, config.cache, num_blocks, device)
+    logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB, %s)", num_blocks, config.cache.block_size,
+                num_blocks * config.cache.block_size, num_blocks * bytes_per_block / 1e9,
+                "FP8 e4m3" if config.cache.fp8_kv else config.model.dtype)
     backend = get_attention_backend(device, config.attention_backend)
     query_lens = (1,) if proposer is None else (1, 1 + proposer.num_speculative_tokens)
     decode_graphs = _decode_graphs(config, model, kv_caches, backend, query_lens)

@@ -13,6 +13,10 @@ class Attention(nn.Module):
 
     `layer_idx` picks this layer's KV cache from `ctx.kv_caches`; which kernel runs is the
     backend's business, so model code stays the same on every device.
+
+    `k_scale` and `v_scale` (one per KV head) are what an FP8 KV cache's values are multiplied by:
+    ones, unless the checkpoint calibrated them (`self_attn.k_scale`, as vLLM and llm-compressor
+    write them; the loader finds them there). A 16-bit cache ignores them.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int) -> None:
@@ -22,10 +26,14 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.layer_idx = layer_idx
         self.scale = head_dim**-0.5
+        # Buffers, not parameters: they are not weights (the weight count leaves them out), but the
+        # loader fills them from the checkpoint when it has them (loader.kv_scale_targets).
+        self.register_buffer("k_scale", torch.ones(num_kv_heads, dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones(num_kv_heads, dtype=torch.float32))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim).
         Returns (num_tokens, num_heads * head_dim), ready for o_proj."""
         kv_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.backend.forward(q, k, v, kv_cache, ctx.attn_metadata, self.scale)
+        out = ctx.backend.forward(q, k, v, kv_cache, ctx.attn_metadata, self.scale, (self.k_scale, self.v_scale))
         return out.flatten(1, 2)  # (num_tokens, num_heads * head_dim)

@@ -7,6 +7,8 @@ checkpoint. Most destinations are parameters; projections that ferry merges into
 With FP8 (quantization/): a checkpoint that holds float8 weights gets layers of its layout before
 the copy (`prepare_fp8`), and its scales are copied like weights (a scale per tensor spread over
 the rows it scales); a 16-bit checkpoint, or random weights, is quantized after it (`quantize_model`).
+The scales of an FP8 KV cache (`self_attn.k_scale` and `v_scale`, or one `kv_scale` for both, per
+tensor or per KV head) are copied when the checkpoint has them, and stay 1 when it has not.
 """
 
 from __future__ import annotations
@@ -64,9 +66,11 @@ def _fp8_names(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[st
 def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy each (checkpoint name, tensor) into the model; every destination must be filled once."""
     targets = weight_targets(model)
+    optional = kv_scale_targets(model)
+    targets.update(optional)
     ignored = _ignored_names(model)
     unexpected = []
-    for name, tensor in tensors:
+    for name, tensor in _kv_scale_names(tensors):
         if name in ignored or name.endswith("rotary_emb.inv_freq"):
             continue  # old checkpoints saved the RoPE buffer; ferry derives it from the config
         if name not in targets:
@@ -78,14 +82,43 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         dest.copy_(tensor)
     if unexpected:
         raise ValueError(f"checkpoint has tensors this model does not use: {_some(unexpected)}")
-    if targets:
-        raise ValueError(f"checkpoint is missing tensors: {_some(sorted(targets))}")
+    missing = sorted(set(targets) - set(optional))
+    if missing:
+        raise ValueError(f"checkpoint is missing tensors: {_some(missing)}")
+    for name, scale in optional.items():
+        if not bool(torch.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError(f"checkpoint tensor {name}: a KV cache scale must be positive and finite, got "
+                             f"{scale.flatten()[:8].tolist()}")
+
+
+def kv_scale_targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> each attention layer's K and V scale buffer, named as vLLM's checkpoints
+    name them: beside the projections (model.layers.0.self_attn.k_scale), not on ferry's `attn`."""
+    from ferry.layers.attention import Attention
+
+    targets = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, Attention):
+            parent = module_name.rpartition(".")[0]
+            targets[f"{parent}.k_scale"] = module.k_scale
+            targets[f"{parent}.v_scale"] = module.v_scale
+    return targets
+
+
+def _kv_scale_names(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Older FP8 checkpoints keep one `kv_scale` for K and V both."""
+    for name, tensor in tensors:
+        if name.endswith(".kv_scale"):
+            yield name.removesuffix("kv_scale") + "k_scale", tensor
+            yield name.removesuffix("kv_scale") + "v_scale", tensor
+        else:
+            yield name, tensor
 
 
 def _fitted_scale(name: str, tensor: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     """A quantization scale in the shape of its destination: (N, 1) per-channel scales as (N,), one
     scale per tensor spread over the rows it scales. Any other mismatch is an error."""
-    if name.endswith("_scale"):
+    if name.endswith("_scale"):  # (k_scale and v_scale too: per tensor, or per KV head)
         if tensor.numel() == dest.numel():
             return tensor.reshape(dest.shape)
         if tensor.numel() == 1:
@@ -122,7 +155,7 @@ def init_dummy_weights(model: nn.Module, device: torch.device) -> None:
     """Random weights from the config alone, the same on every run on one kind of device: norms at
     one, everything else small and normal. For benchmarks and tests that need no checkpoint."""
     generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
-    for module in model.modules():
+    for module in model.modules():  # (buffers, a KV cache's scales among them, keep their values)
         for param in module.parameters(recurse=False):
             if isinstance(module, RMSNorm):
                 param.fill_(1.0)

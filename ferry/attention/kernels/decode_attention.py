@@ -55,7 +55,9 @@ import triton
 import triton.language as tl
 
 from ferry.attention.kernels.launch import block_d, dot_precision, num_multiprocessors
-from ferry.attention.kernels.paged_tiles import LOG2_E, load_kv_tile, online_softmax_step
+from ferry.attention.kernels.paged_tiles import (
+    LOG2_E, fp8_query, kv_scales, load_kv_tile, online_softmax_step, widens_query,
+)
 from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
 # tl.dot needs at least 16 rows per operand.
@@ -88,6 +90,11 @@ class DecodeConfig:
     num_stages: int = 3
 
 
+# Over an FP8 cache a tile of 128 keys is as many bytes as 64 in bf16; on an H200 it was 2-5%
+# faster than 64 at batch 128-256 (`python -m ferry.bench.kernel_check --sweep`).
+FP8_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3)
+
+
 @triton.jit
 def _split_len(shared_len, num_splits, BLOCK_N: tl.constexpr):
     """Tokens per split: ceil(shared_len / num_splits) rounded up to a whole number of tiles, where
@@ -110,6 +117,7 @@ def _row_ptrs(request_ptr, tok, heads, stride_tok, stride_head, QUERY_LEN: tl.co
 @triton.jit(do_not_specialize=["num_splits", "stride_table_req"])
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
+    k_scale_ptr, v_scale_ptr,  # an FP8 cache's (num_kv_heads,) scales
     scale_log2,  # softmax scale * log2(e)
     num_splits,  # a runtime value: it follows the longest context, and each constexpr value compiles anew
     stride_q_tok, stride_q_head,
@@ -120,7 +128,7 @@ def _decode_split_kernel(
     QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, WIDEN_Q: tl.constexpr, PDL: tl.constexpr,
 ):
     let_next_kernel_start(PDL)
     wait_for_previous_kernel(PDL)  # before the early return of an empty split too (pdl.py)
@@ -148,6 +156,9 @@ def _decode_split_kernel(
     q_mask = row_mask[:, None] & dim_mask[None, :]
     q_rows = _row_ptrs(q_ptr + req * QUERY_LEN * stride_q_tok, tok, heads, stride_q_tok, stride_q_head, QUERY_LEN)
     q = tl.load(q_rows[:, None] + dims[None, :], mask=q_mask, other=0.0)
+    q = fp8_query(q, WIDEN_Q)
+    k_scale, v_scale = kv_scales(k_scale_ptr, v_scale_ptr, kv_head, FP8_KV)
+    scale_log2 = scale_log2 * k_scale
 
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -163,7 +174,7 @@ def _decode_split_kernel(
         in_bounds = pos < end
         k, v = load_kv_tile(
             cache_ptr, table_row, pos, in_bounds, kv_head, dims, dim_mask,
-            stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, PAGE_SIZE,
+            stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, q, PAGE_SIZE,
         )
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_H, BLOCK_N)
         scores = tl.where(in_bounds[None, :], scores, float("-inf"))
@@ -175,14 +186,14 @@ def _decode_split_kernel(
             pos = tile_start + tl.arange(0, BLOCK_N)
             k, v = load_kv_tile(
                 cache_ptr, table_row, pos, pos < end, kv_head, dims, dim_mask,
-                stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, PAGE_SIZE,
+                stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, q, PAGE_SIZE,
             )
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             visible = pos[None, :] <= row_pos[:, None]  # also keeps pos < seq_len for real rows
             scores = tl.where(visible, scores, float("-inf"))
             acc, row_sum, row_max = online_softmax_step(acc, row_sum, row_max, scores, v, DOT_PRECISION)
 
-    out = acc / row_sum[:, None]
+    out = acc / row_sum[:, None] * v_scale
     out_request = out_ptr + req * QUERY_LEN * stride_out_tok + split * stride_out_split
     out_rows = _row_ptrs(out_request, tok, heads, stride_out_tok, stride_out_head, QUERY_LEN)
     tl.store(out_rows[:, None] + dims[None, :], out, mask=q_mask)  # cast to the output's dtype on store
@@ -228,8 +239,9 @@ def decode_attention(
     scale: float,
     out: torch.Tensor,  # like q, written
     num_splits: int,
-    config: DecodeConfig = DecodeConfig(),
+    config: DecodeConfig | None = None,  # None: DecodeConfig(), FP8_DECODE_CONFIG over an FP8 cache
     query_len: int = 1,  # Q: query tokens per request, the last Q of its context (a constexpr)
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's, (num_kv_heads,) each
 ) -> None:
     """out[r*Q + j] = softmax(q[r*Q + j] k^T * scale) v over the first seq_lens[r] - Q + j + 1 cached
     tokens of request r: each of its Q tokens sees the keys up to its own position."""
@@ -244,8 +256,13 @@ def decode_attention(
     else:
         partial = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    fp8_kv = kv_cache.dtype == torch.float8_e4m3fn
+    assert kv_scales is not None or not fp8_kv, "an FP8 cache needs its scales"
+    k_scale, v_scale = kv_scales if fp8_kv else (lse, lse)  # (unread without FP8)
+    config = config or (FP8_DECODE_CONFIG if fp8_kv else DecodeConfig())
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, partial, lse,
+        k_scale, v_scale,
         scale * LOG2_E, num_splits,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -255,7 +272,7 @@ def decode_attention(
         QUERY_LEN=query_len, GROUP=group, BLOCK_H=max(_MIN_DOT_ROWS, triton.next_power_of_2(query_len * group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8_kv, WIDEN_Q=widens_query(q.dtype, fp8_kv),
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(q.device),
     )
     if num_splits == 1:

@@ -40,7 +40,9 @@ import triton
 import triton.language as tl
 
 from ferry.attention.kernels.launch import block_d, dot_precision
-from ferry.attention.kernels.paged_tiles import LOG2_E, load_kv_tile, online_softmax_step
+from ferry.attention.kernels.paged_tiles import (
+    LOG2_E, fp8_query, kv_scales, load_kv_tile, online_softmax_step, widens_query,
+)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ def _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_Q: tl.constexpr):
 @triton.jit(do_not_specialize=["num_reqs", "stride_table_req"])
 def _prefill_kernel(
     q_ptr, cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    k_scale_ptr, v_scale_ptr,  # an FP8 cache's (num_kv_heads,) scales
     scale_log2, num_reqs,
     stride_q_tok, stride_q_head,
     stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head,
@@ -87,7 +90,7 @@ def _prefill_kernel(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, WIDEN_Q: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -111,6 +114,9 @@ def _prefill_kernel(
     q_rows = (q_start + tok) * stride_q_tok + heads * stride_q_head
     q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=io_mask, other=0.0)
     row_pos = prefix + tok  # context position of each row's query token; it sees keys <= row_pos
+    q = fp8_query(q, WIDEN_Q)
+    k_scale, v_scale = kv_scales(k_scale_ptr, v_scale_ptr, kv_head, FP8_KV)
+    scale_log2 = scale_log2 * k_scale
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -127,7 +133,7 @@ def _prefill_kernel(
         pos = tile_start + tl.arange(0, BLOCK_N)
         k, v = load_kv_tile(
             cache_ptr, table_row, pos, pos < full_end, kv_head, dims, dim_mask,
-            stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, PAGE_SIZE,
+            stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, q, PAGE_SIZE,
         )
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
         acc, row_sum, row_max = online_softmax_step(acc, row_sum, row_max, scores, v, DOT_PRECISION)
@@ -135,14 +141,14 @@ def _prefill_kernel(
         pos = tile_start + tl.arange(0, BLOCK_N)
         k, v = load_kv_tile(
             cache_ptr, table_row, pos, pos < kv_end, kv_head, dims, dim_mask,
-            stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, PAGE_SIZE,
+            stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, q, PAGE_SIZE,
         )
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = pos[None, :] <= row_pos[:, None]  # also keeps pos < seq_len: row_pos < seq_len
         scores = tl.where(visible, scores, float("-inf"))
         acc, row_sum, row_max = online_softmax_step(acc, row_sum, row_max, scores, v, DOT_PRECISION)
 
-    out = acc / row_sum[:, None]
+    out = acc / row_sum[:, None] * v_scale
     out_rows = (q_start + tok) * stride_out_tok + heads * stride_out_head
     tl.store(out_ptr + out_rows[:, None] + dims[None, :], out, mask=io_mask)
 
@@ -157,6 +163,7 @@ def prefill_attention(
     scale: float,
     out: torch.Tensor,  # (num_tokens, num_heads, head_dim); rows of requests written, others untouched
     config: PrefillConfig = PrefillConfig(),
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's, (num_kv_heads,) each
 ) -> None:
     """Causal attention of every request's query rows over its cached context (prefix + chunk)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -167,8 +174,12 @@ def prefill_attention(
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
     block_q = config.block_m // group
     num_tiles = num_real_tokens // block_q + num_reqs
+    fp8_kv = kv_cache.dtype == torch.float8_e4m3fn
+    assert kv_scales is not None or not fp8_kv, "an FP8 cache needs its scales"
+    k_scale, v_scale = kv_scales if fp8_kv else (seq_lens, seq_lens)  # (unread without FP8)
     _prefill_kernel[(num_tiles, num_kv_heads)](
         q, kv_cache, block_tables, query_start_loc, seq_lens, out,
+        k_scale, v_scale,
         scale * LOG2_E, num_reqs,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
@@ -177,6 +188,6 @@ def prefill_attention(
         GROUP=group, BLOCK_M=config.block_m, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8_kv, WIDEN_Q=widens_query(q.dtype, fp8_kv),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

@@ -9,6 +9,8 @@ in the cache, because the cache of a layer is laid out
 
 so a program copies a (BLOCK_T tokens, row) tile of K and one of V, each row to its own slot.
 Slot -1 marks a padding row (a fixed-size batch carries some): its row is masked out, never written.
+An FP8 cache gets each value divided by its KV head's scale and clamped to e4m3's range first, as
+the reference (torch_ref.to_cache) does; the cast then rounds to nearest.
 """
 
 from __future__ import annotations
@@ -29,14 +31,19 @@ _PROGRAMS_PER_SM = 4
 _MAX_TOKENS_PER_PROGRAM = 16
 
 
+FP8_MAX = tl.constexpr(448.0)
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _store_kv_kernel(
     k_ptr, v_ptr, cache_ptr, slot_mapping_ptr, num_tokens,
+    k_scale_ptr, v_scale_ptr,  # (num_kv_heads,) float32: read with an FP8 cache only
     stride_k_tok, stride_v_tok,
     stride_cache_kv,  # elements from the K half of the cache to the V half
     ROW: tl.constexpr,  # num_kv_heads * head_dim
+    HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_ROW: tl.constexpr,  # BLOCK_ROW: ROW rounded up to a power of two
-    PDL: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     let_next_kernel_start(PDL)
     wait_for_previous_kernel(PDL)
@@ -48,17 +55,28 @@ def _store_kv_kernel(
     k = tl.load(k_ptr + tokens[:, None] * stride_k_tok + cols[None, :], mask=mask)
     v = tl.load(v_ptr + tokens[:, None] * stride_v_tok + cols[None, :], mask=mask)
     dst = cache_ptr + slots[:, None] * ROW + cols[None, :]
+    if FP8:
+        head = cols // HEAD_DIM
+        k_scale = tl.load(k_scale_ptr + head, mask=cols < ROW, other=1.0)
+        v_scale = tl.load(v_scale_ptr + head, mask=cols < ROW, other=1.0)
+        # div_rn: IEEE division, rounded as torch rounds it (`/` compiles to a faster, inexact one).
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.broadcast_to(k_scale[None, :], k.shape)), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.broadcast_to(v_scale[None, :], v.shape)), -FP8_MAX, FP8_MAX)
     # tl.store casts to the cache's dtype, as the reference's `.to(kv_cache.dtype)` does.
     tl.store(dst, k, mask=mask)
     tl.store(dst + stride_cache_kv, v, mask=mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> None:
     """Write k[t], v[t] at flat slot slot_mapping[t]; slot -1 is skipped.
 
     k, v: (num_tokens, num_kv_heads, head_dim), each token's heads contiguous (as views split out
     of a fused qkv projection are); kv_cache: contiguous (2, num_blocks, block_size, num_kv_heads,
-    head_dim); slot_mapping: (num_tokens,) int64.
+    head_dim); slot_mapping: (num_tokens,) int64; kv_scales: K's and V's (num_kv_heads,) float32
+    scales, for an FP8 cache.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
@@ -67,12 +85,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
     k, v = _rows_contiguous(k), _rows_contiguous(v)
     row = num_kv_heads * head_dim
     block_t = _tokens_per_program(num_tokens, k.device)
-    tile_bytes = block_t * row * kv_cache.element_size()
+    tile_bytes = block_t * row * k.element_size()
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    assert kv_scales is not None or not fp8, "an FP8 cache needs its scales"
+    k_scale, v_scale = kv_scales if fp8 else (slot_mapping, slot_mapping)  # (unread without FP8)
     _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
         k, v, kv_cache, slot_mapping, num_tokens,
+        k_scale, v_scale,
         k.stride(0), v.stride(0),
         kv_cache.stride(0),
-        ROW=row, BLOCK_T=block_t, BLOCK_ROW=triton.next_power_of_2(row),
+        ROW=row, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_ROW=triton.next_power_of_2(row), FP8=fp8,
         # One warp per 512 bytes of the tile: each lane moves one 16-byte vector per tensor.
         num_warps=max(1, min(8, tile_bytes // _BYTES_PER_WARP)), **pdl_launch(k.device),
     )
