@@ -108,7 +108,7 @@ def test_the_fastest_path_must_win_clearly():
 
 def test_float32_layers_keep_cublas():
     weight = torch.zeros(8, 8)  # no timing happens: the dtype decides
-    assert gemv.tune(weight, None) == (tuple((rows, None) for rows in gemv.ROW_BUCKETS), False)
+    assert gemv.tune(gemv.LayerWeights(weight)) == (tuple((rows, None) for rows in gemv.ROW_BUCKETS), False)
 
 
 def test_tuning_leaves_cpu_models_alone():
@@ -126,10 +126,10 @@ def test_tuning_chooses_per_shape_and_keeps_results():
     assert any(times[1, c] < float("inf") for c in gemv.CANDIDATES)  # the candidates run and agree
     tune_small_batch(model)
     copies = gemv.cold_copies(model[0].weight)
-    paths = gemv.path_times(model[0].weight, None, "rms_norm", 1, copies)
+    paths = gemv.path_times(gemv.LayerWeights(model[0].weight), "rms_norm", 1, copies)
     assert 0 < paths[None, False] < 1e-3  # the norm's kernel, then cuBLAS
     assert all((c, True) in paths and (c, False) in paths for c in gemv.CANDIDATES)  # inside, and after
-    paths = gemv.path_times(model[0].weight, None, "rms_norm", gemv.MAX_ROWS, copies)
+    paths = gemv.path_times(gemv.LayerWeights(model[0].weight), "rms_norm", gemv.MAX_ROWS, copies)
     assert not any(inside for _, inside in paths)  # the norm goes inside at one row only
     x = torch.randn(1, 2048, device=DEVICE, dtype=torch.bfloat16)
     torch.testing.assert_close(model[0](x).float(), torch.nn.functional.linear(x, model[0].weight).float(),
@@ -266,17 +266,18 @@ def test_tuning_checks_every_variant_it_will_run(monkeypatch):
     """A configuration whose GEMV (plain or with the activation's input) or norm fusion computes
     something else is refused before any step can use it."""
     weight, _ = _layer(24, 96, False, DTYPES[-1])
+    layer = gemv.LayerWeights(weight)
     config = gemv.CANDIDATES[0]
-    assert gemv._variants_agree(weight, None, config, (1, 2, 3))
-    assert gemv._norm_fusion_agrees(weight, None, config)
-    assert gemv._variants_agree(weight, None, None, (1,))  # no configuration: nothing to check
+    assert gemv._variants_agree(layer, config, (1, 2, 3))
+    assert gemv._norm_fusion_agrees(layer, config)
+    assert gemv._variants_agree(layer, None, (1,))  # no configuration: nothing to check
     real = gemv.gemv
-    monkeypatch.setattr(gemv, "gemv", lambda x, *a, silu_mul=False: real(x, *a, silu_mul=silu_mul) * (1 + silu_mul))
-    assert not gemv._variants_agree(weight, None, config, (1,))  # the activation's variant is off
+    monkeypatch.setattr(gemv, "gemv", lambda x, *a, silu_mul=False, **kw: real(x, *a, silu_mul=silu_mul, **kw) * (1 + silu_mul))
+    assert not gemv._variants_agree(layer, config, (1,))  # the activation's variant is off
     monkeypatch.setattr(gemv, "gemv", real)
     real_norm = gemv.gemv_rms_norm
     monkeypatch.setattr(gemv, "gemv_rms_norm", lambda *a: (real_norm(*a)[0] + 1, real_norm(*a)[1]))
-    assert not gemv._norm_fusion_agrees(weight, None, config)
+    assert not gemv._norm_fusion_agrees(layer, config)
 
 
 def test_empty_batches_take_the_usual_path():
@@ -287,10 +288,81 @@ def test_empty_batches_take_the_usual_path():
 
 def test_a_path_that_fails_its_check_gives_way_to_the_next_fastest(monkeypatch):
     a, b, c, *_ = gemv.CANDIDATES
-    weight, _ = _layer(24, 96, False, DTYPES[-1])
+    layer = gemv.LayerWeights(_layer(24, 96, False, DTYPES[-1])[0])
     times = {(None, False): 10, (a, True): 5, (a, False): 8.5, (b, False): 6, (c, False): 9.8}
     monkeypatch.setattr(gemv, "_norm_fusion_agrees", lambda *args: False)  # a's norm inside is wrong
-    monkeypatch.setattr(gemv, "_variants_agree", lambda w, bias, config, rows: config != b)  # b is wrong
-    assert gemv._fastest_that_agrees(weight, None, times, (1,)) == (a, False)
-    monkeypatch.setattr(gemv, "_variants_agree", lambda w, bias, config, rows: False)
-    assert gemv._fastest_that_agrees(weight, None, times, (1,)) == (None, False)  # cuBLAS, after all
+    monkeypatch.setattr(gemv, "_variants_agree", lambda layer, config, rows: config != b)  # b is wrong
+    assert gemv._fastest_that_agrees(layer, times, (1,)) == (a, False)
+    monkeypatch.setattr(gemv, "_variants_agree", lambda layer, config, rows: False)
+    assert gemv._fastest_that_agrees(layer, times, (1,)) == (None, False)  # cuBLAS, after all
+
+
+# ---- FP8 weights (a scale per row): the GEMV reads a byte a weight ----
+
+ACT_DTYPE = DTYPES[-1]  # the activations stay 16-bit on a GPU (float32 in the interpreter)
+
+
+def _fp8_layer(n, k, bias, seed=0):
+    from ferry.quantization.fp8 import quantize_rows
+
+    weight, b = _layer(n, k, bias, torch.float32, seed)
+    q, scale = quantize_rows(weight * (1 + torch.arange(n, device=DEVICE)[:, None] % 7))  # rows of unequal scales
+    return q, scale, None if b is None else b.to(ACT_DTYPE)
+
+
+def _dequantized(q, scale):
+    return q.float() * scale[:, None]
+
+
+@pytest.mark.parametrize("config", gemv.CANDIDATES + gemv.FEW_ROW_CANDIDATES, ids=str)
+@pytest.mark.parametrize("rows,n,k,bias", [(1, 48, 200, False), (3, 100, 64, True), (5, 40, 300, True),
+                                           (8, 24, 512, False)])
+def test_gemv_reads_fp8_weights_with_row_scales(rows, n, k, bias, config):
+    """Against the dequantized weight times the 16-bit activations in float32 (weight-only FP8:
+    the activations are not quantized), within the activations' dtype's tolerance."""
+    q, scale, b = _fp8_layer(n, k, bias)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(ACT_DTYPE).to(DEVICE)
+    expected = torch.nn.functional.linear(x.float(), _dequantized(q, scale), None if b is None else b.float())
+    tol = TOLERANCE[ACT_DTYPE]
+    torch.testing.assert_close(gemv.gemv(x, q, b, config, weight_scale=scale).float(), expected, atol=tol, rtol=tol)
+    with pytest.raises(AssertionError, match="row scales"):
+        gemv.gemv(x, q, b, config)  # an FP8 weight without its scales
+
+
+def test_an_fp8_linear_runs_the_gemv_with_its_norm_and_activation_where_tuned():
+    """Linear's three entry points with FP8 weights on the GEMV (plain, SiLU-and-mul, RMSNorm inside)
+    against the FP8 layer's own product (quantization/fp8.py) on its dequantized reference path."""
+    from ferry.layers.norm import RMSNorm
+    from ferry.quantization.fp8 import Fp8Linear
+
+    k, n = 96, 40
+    q, scale, _ = _fp8_layer(n, k, False)
+    layer = Linear(k, n, bias=False).to(DEVICE, ACT_DTYPE)
+    layer.weight = torch.nn.Parameter(q, requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(scale, requires_grad=False)
+    layer.fp8 = Fp8Linear(None, "none")  # 16-bit activations: the reference multiplies what the GEMV does
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, k, generator=g).to(ACT_DTYPE).to(DEVICE)
+    gate_up = torch.randn(1, 2 * k, generator=g).to(ACT_DTYPE).to(DEVICE)
+    norm = RMSNorm(k, eps=1e-6).to(DEVICE, ACT_DTYPE)
+    act = lambda t: torch.nn.functional.silu(t[:, :k]) * t[:, k:]  # noqa: E731
+    untuned = (layer(x), layer.forward_silu_and_mul(gate_up, act), layer.forward_rms_norm(x, None, norm)[0])
+    layer.gemv_buckets, layer.gemv_fuses_norm = ((1, gemv.CANDIDATES[0]),), True
+    tuned = (layer(x), layer.forward_silu_and_mul(gate_up, act), layer.forward_rms_norm(x, None, norm)[0])
+    tol = TOLERANCE[ACT_DTYPE]
+    for a, b in zip(tuned, untuned):
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="tuning times kernels on a GPU")
+def test_fp8_tuning_races_the_gemv_against_the_fp8_gemm():
+    from ferry.quantization.config import Fp8Spec
+    from ferry.quantization.fp8 import quantize_model
+
+    model = torch.nn.Sequential(Linear(4096, 6144, bias=False), Linear(4096, 4096, bias=False)).to(DEVICE, torch.bfloat16)
+    quantize_model(model, Fp8Spec("fp8", False, None, False, "dynamic", "weight_scale"))
+    tune_small_batch(model)
+    assert all(layer.weight.dtype == gemv.FP8 and len(layer.gemv_buckets) == len(gemv.ROW_BUCKETS) for layer in model)
+    x = torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), _dequantized(model[0].weight, model[0].weight_scale))
+    torch.testing.assert_close(model[0](x).float(), expected, atol=5e-2, rtol=5e-2)

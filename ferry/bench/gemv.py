@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
                 copies = gemv.cold_copies(weight)
                 for rows in gemv.ROW_BUCKETS:
                     with torch.inference_mode():
-                        paths = gemv.path_times(weight, None, input_op, rows, copies)
+                        paths = gemv.path_times(gemv.LayerWeights(weight), input_op, rows, copies)
                     chosen = gemv.fastest_path(paths)
                     best = min((key for key in paths if key[0] is not None), key=paths.__getitem__)
                     print(f"  rows {rows}  with {input_op}: its kernel + cuBLAS {paths[None, False] * 1e6:.2f} us; "

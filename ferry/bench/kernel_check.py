@@ -6,10 +6,12 @@
                                                   # print registers, spills and shared memory
 
 Correctness covers GQA ratios 1/4/8, block sizes 16 and 32, contexts from 1 to 32k tokens and mixed
-batches (prefill chunks after long cached prefixes beside decode rows), in bf16. Decode is timed on
+batches (prefill chunks after long cached prefixes beside decode rows), in bf16, over a bf16 and an
+FP8 cache (per-head scales, against the reference's dequantized cache). Decode is timed on
 the attention shapes of Qwen3-0.6B and Llama-3.1-8B (benchmarks/*/config.json): decode must read
 every cached K and V once, so its figure is the achieved bandwidth of that read against the
-device-to-device copy bandwidth measured in the same run. A speculative verify (5 query tokens per
+device-to-device copy bandwidth measured in the same run; each shape also over an FP8 cache, half
+the bytes. A speculative verify (5 query tokens per
 request through the same decode kernel) is timed against a 1-token decode on Llama-3.1-8B at batch 1,
 and checked against the torch reference. Prefill of one 8192-token prompt is timed in TFLOP/s, next
 to torch's fused SDPA on the same (unpaged) data and a bf16 matmul.
@@ -77,26 +79,38 @@ DECODE_CONTEXTS = [1, 2, 17, 1000, 4095, 8192, 16384, 32768]
 MIXED_CHUNKS = [(32768 - 512, 512), (0, 2048), (8000, 192), (4095, 1), (0, 1), (16384, 1), (100, 300), (31, 33)]
 
 
+def fp8_cache(cache: torch.Tensor, num_kv_heads: int, seed: int = 0) -> tuple[torch.Tensor, tuple]:
+    """The cache in e4m3 and K and V scales per head in [0.5, 1.5) (not 1: a kernel that forgets
+    one shows)."""
+    g = torch.Generator(device=cache.device).manual_seed(seed)
+    scales = tuple(0.5 + torch.rand(num_kv_heads, generator=g, device=cache.device) for _ in range(2))
+    return cache.to(torch.float8_e4m3fn), scales
+
+
 def check_correctness(device) -> list[tuple[str, float, float, bool]]:
     from ferry.attention.torch_ref import TorchReferenceBackend
     from ferry.attention.triton_backend import TritonAttentionBackend
 
     rows = []
-    for group in (1, 4, 8):
-        for block_size in (16, 32):
-            for name, chunks in (("decode", [(n - 1, 1) for n in DECODE_CONTEXTS]), ("mixed", MIXED_CHUNKS)):
-                q, k, v, cache, md = make_step(
-                    chunks, SWEEP_KV_HEADS * group, SWEEP_KV_HEADS, SWEEP_HEAD_DIM, block_size,
-                    torch.bfloat16, device, q_scale=PEAKY,
-                )
-                scale = SWEEP_HEAD_DIM**-0.5
-                ref_cache, cache = cache.clone(), cache
-                expected = TorchReferenceBackend().forward(q, k, v, ref_cache, md, scale).float()
-                out = TritonAttentionBackend().forward(q, k, v, cache, md, scale).float()
-                max_err = (out - expected).abs().max().item()
-                rel_l2 = ((out - expected).norm() / expected.norm()).item()
-                ok = torch.allclose(out, expected, atol=BF16_TOL, rtol=BF16_TOL) and torch.equal(cache, ref_cache)
-                rows.append((f"{name:6s} gqa {group} block {block_size:2d}", max_err, rel_l2, ok))
+    for fp8 in (False, True):
+        for group in (1, 4, 8):
+            for block_size in (16, 32):
+                for name, chunks in (("decode", [(n - 1, 1) for n in DECODE_CONTEXTS]), ("mixed", MIXED_CHUNKS)):
+                    q, k, v, cache, md = make_step(
+                        chunks, SWEEP_KV_HEADS * group, SWEEP_KV_HEADS, SWEEP_HEAD_DIM, block_size,
+                        torch.bfloat16, device, q_scale=PEAKY,
+                    )
+                    cache, scales = fp8_cache(cache, SWEEP_KV_HEADS) if fp8 else (cache, None)
+                    scale = SWEEP_HEAD_DIM**-0.5
+                    ref_cache, cache = cache.clone(), cache
+                    expected = TorchReferenceBackend().forward(q, k, v, ref_cache, md, scale, scales).float()
+                    out = TritonAttentionBackend().forward(q, k, v, cache, md, scale, scales).float()
+                    max_err = (out - expected).abs().max().item()
+                    rel_l2 = ((out - expected).norm() / expected.norm()).item()
+                    same = torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8)) if fp8 else torch.equal(cache, ref_cache)
+                    ok = torch.allclose(out, expected, atol=BF16_TOL, rtol=BF16_TOL) and same
+                    kv = "fp8" if fp8 else "bf16"
+                    rows.append((f"{name:6s} gqa {group} block {block_size:2d} {kv}", max_err, rel_l2, ok))
     return rows
 
 
@@ -122,23 +136,25 @@ def matmul_tflops(device) -> float:
 
 
 def time_decode(
-    model: ModelConfig, batch: int, context: int, block_size: int, device, config=None, query_len: int = 1
+    model: ModelConfig, batch: int, context: int, block_size: int, device, config=None, query_len: int = 1,
+    fp8_kv: bool = False,
 ) -> tuple[float, float]:
     """(ms, GB/s of K/V read) of one layer's decode attention of query_len tokens per request (the
-    last query_len of its context), split-K chosen as the backend does."""
+    last query_len of its context), split-K chosen as the backend does; fp8_kv: over an FP8 cache."""
     from triton.testing import do_bench
 
-    from ferry.attention.kernels.decode_attention import DecodeConfig, choose_num_splits, decode_attention
+    from ferry.attention.kernels.decode_attention import choose_num_splits, decode_attention
 
     q, _, _, cache, md = make_step(
         [(context - query_len, query_len)] * batch, model.num_heads, model.num_kv_heads, model.head_dim,
         block_size, torch.bfloat16, device,
     )
+    cache, scales = fp8_cache(cache, model.num_kv_heads) if fp8_kv else (cache, None)
     out = torch.empty_like(q)
     splits = choose_num_splits(batch, model.num_kv_heads, context, q.device)
     run = lambda: decode_attention(  # noqa: E731
-        q, cache, md.block_tables, md.seq_lens, model.head_dim**-0.5, out, splits, config or DecodeConfig(),
-        query_len=query_len,
+        q, cache, md.block_tables, md.seq_lens, model.head_dim**-0.5, out, splits, config,
+        query_len=query_len, kv_scales=scales,
     )
     ms = do_bench(run)
     kv_bytes = 2 * batch * context * model.num_kv_heads * model.head_dim * cache.element_size()
@@ -190,15 +206,18 @@ DECODE_SHAPES = [(1, 1024), (1, 8192), (1, 32768), (32, 4096), (128, 2048), (256
 
 
 def decode_table(models, device, copy_gbs) -> list[str]:
-    lines = [f"{'decode (one layer)':34s} {'splits':>6s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s}"]
+    lines = [f"{'decode (one layer)':34s} {'splits':>6s} {'ms':>8s} {'GB/s':>8s} {'of copy':>8s} "
+             f"{'FP8 ms':>8s} {'GB/s':>8s} {'speed-up':>8s}"]
     from ferry.attention.kernels.decode_attention import choose_num_splits
 
     for name, model in models.items():
         for batch, context in DECODE_SHAPES:
             ms, gbs = time_decode(model, batch, context, 16, device)
+            fp8_ms, fp8_gbs = time_decode(model, batch, context, 16, device, fp8_kv=True)
             splits = choose_num_splits(batch, model.num_kv_heads, context, torch.device(device))
             label = f"{name} bs {batch} ctx {context}"
-            lines.append(f"{label:34s} {splits:6d} {ms:8.4f} {gbs:8.0f} {gbs / copy_gbs:8.0%}")
+            lines.append(f"{label:34s} {splits:6d} {ms:8.4f} {gbs:8.0f} {gbs / copy_gbs:8.0%} "
+                         f"{fp8_ms:8.4f} {fp8_gbs:8.0f} {ms / fp8_ms:7.2f}x")
     return lines
 
 
@@ -246,7 +265,7 @@ def sweep(models, device) -> list[str]:
     from ferry.attention.kernels.prefill_attention import PrefillConfig
 
     llama = models["llama-3.1-8b"]
-    lines = [f"{'decode config (llama)':40s} {'bs1 32k GB/s':>13s} {'bs128 2k GB/s':>14s}"]
+    lines = [f"{'decode config (llama)':40s} {'bs1 32k GB/s':>13s} {'bs128 2k GB/s':>14s} {'FP8 bs128 2k':>13s}"]
     for block_n in (32, 64, 128):
         for num_warps in (4, 8):
             for num_stages in (2, 3, 4):
@@ -254,9 +273,10 @@ def sweep(models, device) -> list[str]:
                 try:
                     a = f"{time_decode(llama, 1, 32768, 16, device, config)[1]:13.0f}"
                     b = f"{time_decode(llama, 128, 2048, 16, device, config)[1]:14.0f}"
+                    c = f"{time_decode(llama, 128, 2048, 16, device, config, fp8_kv=True)[1]:13.0f}"
                 except Exception as e:  # out of shared memory, say
-                    a, b = type(e).__name__, ""
-                lines.append(f"{str(config):40s} {a:>13s} {b:>14s}")
+                    a, b, c = type(e).__name__, "", ""
+                lines.append(f"{str(config):40s} {a:>13s} {b:>14s} {c:>13s}")
     lines.append(f"{'prefill config (llama, 8192 tokens)':52s} {'TFLOP/s':>8s}")
     for block_m in (64, 128):
         for block_n in (32, 64, 128):
@@ -312,7 +332,8 @@ def compile_report() -> list[str]:
     lines = []
     decode_cfg, prefill_cfg = decode.DecodeConfig(), prefill.PrefillConfig()
     decode_args = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
-                   "out_ptr": "*bf16", "lse_ptr": "*fp32", "scale_log2": "fp32", "num_splits": "i32",
+                   "out_ptr": "*bf16", "lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+                   "scale_log2": "fp32", "num_splits": "i32",
                    **strides("stride_q_tok", "stride_q_head", "stride_cache_kv", "stride_cache_block",
                              "stride_cache_tok", "stride_cache_head", "stride_table_req", "stride_out_tok",
                              "stride_out_head", "stride_out_split", "stride_lse_tok", "stride_lse_head")}
@@ -320,18 +341,22 @@ def compile_report() -> list[str]:
     def decode_consts(query_len, group, page):
         block_h = max(16, triton.next_power_of_2(query_len * group))
         return dict(QUERY_LEN=query_len, GROUP=group, BLOCK_H=block_h, HEAD_DIM=128, BLOCK_D=128, PAGE_SIZE=page,
-                    BLOCK_N=decode_cfg.block_n, DOT_PRECISION="tf32", PDL=True)
+                    BLOCK_N=decode_cfg.block_n, DOT_PRECISION="tf32", FP8_KV=False, WIDEN_Q=False, PDL=True)
 
     for group, page in ((2, 16), (4, 16), (8, 32)):
         consts = decode_consts(1, group, page)
         lines.append(f"{f'decode gqa {group} block {page}':26s}" + build(decode._decode_split_kernel, decode_args, consts, decode_cfg.num_warps, decode_cfg.num_stages))
         args = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32", "query_start_loc_ptr": "*i32",
-                "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "scale_log2": "fp32", "num_reqs": "i32",
+                "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+                "scale_log2": "fp32", "num_reqs": "i32",
                 **strides("stride_q_tok", "stride_q_head", "stride_cache_kv", "stride_cache_block", "stride_cache_tok",
                           "stride_cache_head", "stride_table_req", "stride_out_tok", "stride_out_head")}
         consts = dict(GROUP=group, BLOCK_M=prefill_cfg.block_m, BLOCK_Q=prefill_cfg.block_m // group, HEAD_DIM=128,
-                      BLOCK_D=128, PAGE_SIZE=page, BLOCK_N=prefill_cfg.block_n, DOT_PRECISION="tf32")
+                      BLOCK_D=128, PAGE_SIZE=page, BLOCK_N=prefill_cfg.block_n, DOT_PRECISION="tf32", FP8_KV=False, WIDEN_Q=False)
         lines.append(f"{f'prefill gqa {group} block {page}':26s}" + build(prefill._prefill_kernel, args, consts, prefill_cfg.num_warps, prefill_cfg.num_stages))
+    fp8_args = {**decode_args, "cache_ptr": "*fp8e4nv"}
+    consts = {**decode_consts(1, 4, 16), "FP8_KV": True, "WIDEN_Q": True}
+    lines.append(f"{'decode gqa 4 block 16 fp8':26s}" + build(decode._decode_split_kernel, fp8_args, consts, decode_cfg.num_warps, decode_cfg.num_stages))
     consts = decode_consts(VERIFY_TOKENS, 4, 16)  # Llama-3.1-8B's verify: 5 tokens x 4 heads in 32 rows
     lines.append(f"{f'verify {VERIFY_TOKENS} gqa 4 block 16':26s}" + build(decode._decode_split_kernel, decode_args, consts, decode_cfg.num_warps, decode_cfg.num_stages))
     args = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "num_splits": "i32",
@@ -340,19 +365,20 @@ def compile_report() -> list[str]:
     consts = dict(QUERY_LEN=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, BLOCK_N=decode_cfg.block_n, PDL=True)
     lines.append(f"{'merge 64 splits':26s}" + build(decode._decode_merge_kernel, args, consts, 4, 1))
     args = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64", "num_tokens": "i32",
-            **strides("stride_k_tok", "stride_v_tok", "stride_cache_kv")}
+            "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", **strides("stride_k_tok", "stride_v_tok", "stride_cache_kv")}
     for block_t, num_warps in ((1, 2), (16, 8)):
-        consts = dict(ROW=1024, BLOCK_T=block_t, BLOCK_ROW=1024, PDL=True)
+        consts = dict(ROW=1024, HEAD_DIM=128, BLOCK_T=block_t, BLOCK_ROW=1024, FP8=False, PDL=True)
         lines.append(f"{f'store {block_t} tokens/program':26s}" + build(store_kv._store_kv_kernel, args, consts, num_warps, 1))
     from ferry.layers import gemv
 
-    args = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "y_ptr": "*bf16", "residual_ptr": "*bf16",
+    args = {"x_ptr": "*bf16", "w_ptr": "*bf16", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",
+            "residual_ptr": "*bf16",
             "residual_out_ptr": "*bf16", "norm_ptr": "*bf16", "m": "i32", "n": "i32", "k": "i32",
             **strides("stride_xm", "stride_wn", "stride_ym", "stride_rm"), "eps": "fp32"}
     for config in gemv.CANDIDATES:
         for name, silu, norm in (("plain", False, False), ("silu*mul", True, False), ("add+norm", False, True)):
             consts = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=True,
-                          SILU_MUL=silu, NORM=norm, HAS_RESIDUAL=norm, PDL=True)
+                          SILU_MUL=silu, NORM=norm, HAS_RESIDUAL=norm, W_SCALE=False, PDL=True)
             label = f"gemv {config.block_n}x{config.block_k} {name}"
             lines.append(f"{label:26s}" + build(gemv._gemv_kernel, args, consts, config.num_warps, 1))
     return lines

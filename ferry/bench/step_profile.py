@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> None:
     graphs = engine.executor.decode_graphs
     if graphs is not None and graphs.num_captured:
         b = graphs.padded_size(args.batch_size)
-        replay_ms = _timed(graphs._graphs[b].replay, args.steps, sync)
+        replay_ms = _timed(graphs._graphs[b, 1].replay, args.steps, sync)  # (the one-token decode graph)
         print(f"graph replay ms (batch {b}): {replay_ms:.3f}")
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

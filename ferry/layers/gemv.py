@@ -40,6 +40,12 @@ kernels round (the activation wherever the GEMV serves a batch, the norm at one 
 So cuBLAS for Llama-3.1-8B's gate_up_proj (within 4% of this kernel alone) can still lose to the GEMV
 once the norm's kernel is counted on cuBLAS's side.
 
+FP8 weights (quantization/fp8.py, a scale per output row) are read as they are, a byte each, and
+widened to float32 in registers; each output column is multiplied by its row's scale at the end,
+and the activations stay 16-bit (weight-only FP8, as the one-row GEMV needs: half the bytes of a
+16-bit weight, the bound of a batch-1 decode). For an FP8 layer the path the GEMV must beat is the
+FP8 GEMM (`Fp8Linear.matmul`: the activations quantized, then cuBLASLt), not a 16-bit cuBLAS.
+
 On Hopper the kernel launches with programmatic dependent launch (kernels/pdl.py): its
 programs start while the kernel before it finishes, and load their first weight tile before
 waiting for the input that kernel writes. The gap between two kernels, a microsecond or two of
@@ -50,6 +56,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +66,8 @@ import triton.language as tl
 from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
 logger = logging.getLogger(__name__)
+
+FP8 = torch.float8_e4m3fn
 
 # Batches of up to MAX_ROWS rows may run the GEMV (Linear dispatches them here once tuned), in
 # buckets of row counts, each timed at its largest (its worst case): one row (decode at batch 1), two
@@ -168,11 +177,11 @@ def _accumulate(
 
 @triton.jit(do_not_specialize=["m"])
 def _gemv_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, residual_ptr, residual_out_ptr, norm_ptr,
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, residual_ptr, residual_out_ptr, norm_ptr,
     m, n, k, stride_xm, stride_wn, stride_ym, stride_rm, eps,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    PDL: tl.constexpr,
+    W_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):
     let_next_kernel_start(PDL)
     pid = tl.program_id(0)
@@ -205,6 +214,8 @@ def _gemv_kernel(
         w = _weight_tile(w_ptr, cols, col_ok, k0, k, stride_wn, BLOCK_K, EVEN_K)
         acc = _accumulate(acc, w, k0, x_ptr, residual_ptr, residual_out_ptr, norm_ptr, m, k, stride_xm, stride_rm,
                           inv_rms, pid == 0, BLOCK_M, BLOCK_K, SILU_MUL, NORM, HAS_RESIDUAL)
+    if W_SCALE:  # FP8 weights: each output column times its weight row's scale
+        acc *= tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     mask = (rows[:, None] < m) & col_ok[None, :]
@@ -213,9 +224,9 @@ def _gemv_kernel(
 
 @triton.jit(do_not_specialize=["m"])
 def _gemv_mma_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stride_ym,
+    x_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, m, n, k, stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, SILU_MUL: tl.constexpr, W_SCALE: tl.constexpr, PDL: tl.constexpr,
 ):
     """y = x @ W^T for a few rows on tensor cores, the product turned around so that the weight's
     rows take the MMA's wide side and the batch's rows its narrow one (padded to BLOCK_M = 16):
@@ -244,8 +255,12 @@ def _gemv_mma_kernel(
             xt = ((g / (1.0 + tl.exp(-g))).to(xt.dtype).to(tl.float32) * up).to(xt.dtype)
         if w.dtype == tl.float32:  # (tests: exact products, not TF32)
             acc = tl.dot(w, xt, acc, input_precision="ieee")
+        elif W_SCALE:  # FP8 weights widened (exactly) to the activations' 16 bits
+            acc = tl.dot(w.to(xt.dtype), xt, acc)
         else:
             acc = tl.dot(w, xt.to(w.dtype), acc)
+    if W_SCALE:
+        acc *= tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
     mask = (rows[None, :] < m) & col_ok[:, None]
@@ -254,57 +269,67 @@ def _gemv_mma_kernel(
 
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig, silu_mul: bool = False,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for x of a few rows (each compiles its own power-of-two row count).
     silu_mul: x is (m, 2k), gate then up, and the product is with silu(gate) * up: the MLP's
-    activation done as the down projection loads its input, one kernel fewer per layer."""
+    activation done as the down projection loads its input, one kernel fewer per layer.
+    weight_scale: an FP8 weight's (n,) float32 row scales (the weight stands for weight * scale)."""
     assert x.shape[1] == (2 * weight.shape[1] if silu_mul else weight.shape[1])
-    return _launch(x, weight, bias, config, silu_mul=silu_mul)
+    return _launch(x, weight, bias, config, silu_mul=silu_mul, weight_scale=weight_scale)
 
 
 def gemv_rms_norm(
     x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: torch.Tensor | None, config: GemvConfig,
+    bias: torch.Tensor | None, config: GemvConfig, weight_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(F.linear(rms_norm(x + residual), weight, bias), x + residual) in one kernel: the layer's
     norm done as its first projection loads its input. The new residual is a new tensor (every
     program reads the old one while the first writes the sum); without a residual it is x."""
     assert x.shape[1] == weight.shape[1] and (residual is None or residual.shape == x.shape)
     residual_out = None if residual is None else torch.empty_like(residual)
-    y = _launch(x, weight, bias, config, residual=residual, residual_out=residual_out, norm=(norm_weight, eps))
+    y = _launch(x, weight, bias, config, residual=residual, residual_out=residual_out, norm=(norm_weight, eps),
+                weight_scale=weight_scale)
     return y, (x if residual is None else residual_out)
 
 
-def _launch(x, weight, bias, config, silu_mul=False, residual=None, residual_out=None, norm=None) -> torch.Tensor:
+def _launch(
+    x, weight, bias, config, silu_mul=False, residual=None, residual_out=None, norm=None, weight_scale=None,
+) -> torch.Tensor:
     m = x.shape[0]
     n, k = weight.shape
+    assert (weight_scale is not None) == (weight.dtype == FP8), "FP8 weights, and only they, come with row scales"
+    assert weight_scale is None or weight_scale.shape == (n,), "one scale per weight row"
+    w_scale = weight_scale if weight_scale is not None else weight  # (unread without W_SCALE)
     assert k > 0 and x.stride(-1) == 1 and weight.stride(-1) == 1  # (the first weight tile is read unmasked)
     assert residual is None or (residual.stride(-1) == 1 and residual.stride(0) == residual_out.stride(0))
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if config.tensor_cores:
         assert norm is None and m <= MMA_ROWS, "the tensor-core GEMV takes no norm, and at most MMA_ROWS rows"
         _gemv_mma_kernel[(triton.cdiv(n, config.block_n),)](
-            x, weight, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), n,
+            x, weight, w_scale, bias if bias is not None else weight, y, m, n, k, x.stride(0), weight.stride(0), n,
             HAS_BIAS=bias is not None, BLOCK_M=MMA_ROWS, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            EVEN_K=k % config.block_k == 0, SILU_MUL=silu_mul, num_warps=config.num_warps,
+            EVEN_K=k % config.block_k == 0, SILU_MUL=silu_mul, W_SCALE=weight_scale is not None,
+            num_warps=config.num_warps,
             num_stages=config.num_stages, **pdl_launch(x.device),
         )
         return y
     norm_weight, eps = norm if norm is not None else (weight, 0.0)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
-        x, weight, bias if bias is not None else weight, y,
+        x, weight, w_scale, bias if bias is not None else weight, y,
         residual if residual is not None else x, residual_out if residual_out is not None else x, norm_weight,
         m, n, k, x.stride(0), weight.stride(0), n, residual.stride(0) if residual is not None else 0, eps,
         HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m), BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SILU_MUL=silu_mul, NORM=norm is not None,
-        HAS_RESIDUAL=residual is not None, num_warps=config.num_warps, num_stages=1, **pdl_launch(x.device),
+        HAS_RESIDUAL=residual is not None, W_SCALE=weight_scale is not None, num_warps=config.num_warps,
+        num_stages=1, **pdl_launch(x.device),
     )
     return y
 
 
-# The weight dtypes the kernel is for: 16-bit. (A float32 layer is compute-heavier per byte, and
-# cuBLAS serves it well.)
-DTYPES = (torch.bfloat16, torch.float16)
+# The weight dtypes the kernel is for: 16-bit and FP8 (with row scales). (A float32 layer is
+# compute-heavier per byte, and cuBLAS serves it well.)
+DTYPES = (torch.bfloat16, torch.float16, FP8)
 
 Timings = dict[tuple[int, GemvConfig | None], float]  # (rows, config or None for cuBLAS) -> seconds
 
@@ -312,28 +337,59 @@ Timings = dict[tuple[int, GemvConfig | None], float]  # (rows, config or None fo
 Buckets = tuple[tuple[int, GemvConfig | None], ...]  # (up to this many rows, config or None for cuBLAS)
 
 
-def tune(weight: torch.Tensor, bias: torch.Tensor | None, input_op: str | None = None) -> tuple[Buckets, bool]:
+@dataclass(frozen=True)
+class LayerWeights:
+    """A linear layer as the tuning sees it: its weight (16-bit, or FP8 with `weight_scale`, a scale
+    per row), its bias, the activations' dtype, and the product the GEMV must beat: `matmul(x, w)`,
+    cuBLAS by default, the FP8 GEMM for an FP8 layer."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    weight_scale: torch.Tensor | None = None
+    dtype: torch.dtype | None = None  # of the activations; None: the weight's
+    matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    @property
+    def x_dtype(self) -> torch.dtype:
+        return self.dtype or self.weight.dtype
+
+    def baseline(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, w) if self.matmul is not None else torch.nn.functional.linear(x, w, self.bias)
+
+    def gemv(self, x: torch.Tensor, w: torch.Tensor, config: GemvConfig, silu_mul: bool = False) -> torch.Tensor:
+        return gemv(x, w, self.bias, config, silu_mul=silu_mul, weight_scale=self.weight_scale)
+
+    def gemv_rms_norm(self, x, residual, norm_weight, eps, w, config):
+        return gemv_rms_norm(x, residual, norm_weight, eps, w, self.bias, config, self.weight_scale)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The product in float32 of the numbers the layer holds (an FP8 weight dequantized)."""
+        w = self.weight.float()
+        if self.weight_scale is not None:
+            w = w * self.weight_scale.float()[:, None]
+        return torch.nn.functional.linear(x.float(), w, None if self.bias is None else self.bias.float())
+
+
+def tune(layer: LayerWeights, input_op: str | None = None) -> tuple[Buckets, bool]:
     """The configuration this layer should use for each bucket of ROW_BUCKETS (None: cuBLAS), and
     whether at one row its RMSNorm runs inside the GEMV. Each is the fastest way to run the layer
     together with the op that feeds it (`input_op`), as the model runs it: cuBLAS after the op's own
     kernel, or the GEMV after it, or the GEMV with the op inside (`path_times`)."""
     assert input_op in (None, "rms_norm", "silu_and_mul"), input_op
-    if weight.dtype not in DTYPES:
+    if layer.weight.dtype not in DTYPES:
         return tuple((rows, None) for rows in ROW_BUCKETS), False
-    copies = cold_copies(weight)
+    copies = cold_copies(layer.weight)
     buckets, fuses_norm, low = [], False, 1
     for rows in ROW_BUCKETS:
-        times = path_times(weight, bias, input_op, rows, copies)
-        config, inside = _fastest_that_agrees(weight, bias, times, tuple(range(low, rows + 1)))
+        times = path_times(layer, input_op, rows, copies)
+        config, inside = _fastest_that_agrees(layer, times, tuple(range(low, rows + 1)))
         buckets.append((rows, config))
         fuses_norm = fuses_norm or inside  # (only one row times the norm inside)
         low = rows + 1
     return tuple(buckets), fuses_norm
 
 
-def _fastest_that_agrees(
-    weight: torch.Tensor, bias: torch.Tensor | None, times: PathTimes, rows: tuple,
-) -> tuple[GemvConfig | None, bool]:
+def _fastest_that_agrees(layer: LayerWeights, times: PathTimes, rows: tuple) -> tuple[GemvConfig | None, bool]:
     """fastest_path, among the paths whose variants compute what torch does at these row counts.
     Every variant a chosen configuration will run is built and checked here, where a failure only
     costs the optimization, not in the middle of a graph capture or a step."""
@@ -342,7 +398,7 @@ def _fastest_that_agrees(
         config, inside = fastest_path(times)
         if config is None:
             return None, False
-        if _variants_agree(weight, bias, config, rows) and (not inside or _norm_fusion_agrees(weight, bias, config)):
+        if _variants_agree(layer, config, rows) and (not inside or _norm_fusion_agrees(layer, config)):
             return config, inside
         del times[config, inside]  # and try the next fastest
 
@@ -350,17 +406,14 @@ def _fastest_that_agrees(
 PathTimes = dict[tuple[GemvConfig | None, bool], float]  # (config or None for cuBLAS, op inside) -> s
 
 
-def path_times(
-    weight: torch.Tensor, bias: torch.Tensor | None, input_op: str | None, rows: int, copies: list[torch.Tensor],
-) -> PathTimes:
+def path_times(layer: LayerWeights, input_op: str | None, rows: int, copies: list[torch.Tensor]) -> PathTimes:
     """Seconds per call, replayed from CUDA graphs, of the layer with its input op at `rows` rows:
-    (None, False) cuBLAS after the op's kernel; (config, False) the GEMV after it, or with SiLU-and-mul
-    inside (the only way a GEMV runs that op); (config, True) at one row, the GEMV with the RMSNorm
-    inside. A candidate that fails to run is left out."""
+    (None, False) cuBLAS (or the FP8 GEMM) after the op's kernel; (config, False) the GEMV after it,
+    or with SiLU-and-mul inside (the only way a GEMV runs that op); (config, True) at one row, the
+    GEMV with the RMSNorm inside. A candidate that fails to run is left out."""
     from ferry.layers.fused import rms_norm, silu_and_mul
 
-    k, dtype, device = weight.shape[1], weight.dtype, weight.device
-    linear = torch.nn.functional.linear
+    k, dtype, device = layer.weight.shape[1], layer.x_dtype, layer.weight.device
     x = torch.randn(rows, 2 * k if input_op == "silu_and_mul" else k, device=device, dtype=dtype)
     residual = torch.randn(rows, k, device=device, dtype=dtype)
     norm_weight = torch.ones(k, device=device, dtype=dtype)
@@ -370,14 +423,14 @@ def path_times(
             return rms_norm(x, norm_weight, 1e-6, residual)
         return silu_and_mul(x) if input_op == "silu_and_mul" else x
 
-    paths = {(None, False): lambda w: linear(op(x), w, bias)}
+    paths = {(None, False): lambda w: layer.baseline(op(x), w)}
     for config in candidates(rows):
         if input_op == "silu_and_mul":
-            paths[config, False] = lambda w, c=config: gemv(x, w, bias, c, silu_mul=True)
+            paths[config, False] = lambda w, c=config: layer.gemv(x, w, c, silu_mul=True)
         else:
-            paths[config, False] = lambda w, c=config: gemv(op(x), w, bias, c)
+            paths[config, False] = lambda w, c=config: layer.gemv(op(x), w, c)
         if input_op == "rms_norm" and rows == 1:
-            paths[config, True] = lambda w, c=config: gemv_rms_norm(x, residual, norm_weight, 1e-6, w, bias, c)
+            paths[config, True] = lambda w, c=config: layer.gemv_rms_norm(x, residual, norm_weight, 1e-6, w, c)
     times: PathTimes = {}
     for key, fn in paths.items():
         try:
@@ -397,19 +450,23 @@ def fastest_path(times: PathTimes, margin: float = WIN_MARGIN) -> tuple[GemvConf
     return best if times[best] <= margin * times[None, False] else (None, False)
 
 
-def _variants_agree(weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig | None, rows: tuple) -> bool:
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def _variants_agree(layer: LayerWeights, config: GemvConfig | None, rows: tuple) -> bool:
     """Whether the plain GEMV and its SiLU-and-mul input compute what torch does at these row counts
     (False also when one fails to build or run); True for no configuration."""
     if config is None:
         return True
+    w = layer.weight
     try:
         for m in rows:
-            x = torch.randn(m, 2 * weight.shape[1], device=weight.device, dtype=weight.dtype)
+            x = torch.randn(m, 2 * w.shape[1], device=w.device, dtype=layer.x_dtype)
             gate, up = x.chunk(2, dim=-1)
             act = torch.nn.functional.silu(gate) * up
-            pairs = ((gemv(act, weight, bias, config), torch.nn.functional.linear(act, weight, bias)),
-                     (gemv(x, weight, bias, config, silu_mul=True), torch.nn.functional.linear(act, weight, bias)))
-            if not all(torch.allclose(a.float(), b.float(), atol=2e-2, rtol=2e-2) for a, b in pairs):
+            expected = layer.reference(act)
+            if not (_close(layer.gemv(act, w, config), expected) and _close(layer.gemv(x, w, config, True), expected)):
                 logger.warning("GEMV %s disagrees with torch at %d rows: using cuBLAS", config, m)
                 return False
     except Exception as e:
@@ -418,22 +475,22 @@ def _variants_agree(weight: torch.Tensor, bias: torch.Tensor | None, config: Gem
     return True
 
 
-def _norm_fusion_agrees(weight: torch.Tensor, bias: torch.Tensor | None, config: GemvConfig) -> bool:
+def _norm_fusion_agrees(layer: LayerWeights, config: GemvConfig) -> bool:
     """Whether the add+RMSNorm inside the GEMV computes what the norm then torch's linear does, with
     a residual and without (the first layer's)."""
     from ferry.layers.norm import RMSNorm
 
-    k = weight.shape[1]
-    x, residual = (torch.randn(1, k, device=weight.device, dtype=weight.dtype) for _ in range(2))
-    norm = RMSNorm(k, eps=1e-6).to(weight.device, weight.dtype)
-    norm.weight.data = 1 + 0.1 * torch.randn(k, device=weight.device, dtype=weight.dtype)
+    w, dtype = layer.weight, layer.x_dtype
+    k = w.shape[1]
+    x, residual = (torch.randn(1, k, device=w.device, dtype=dtype) for _ in range(2))
+    norm = RMSNorm(k, eps=1e-6).to(w.device, dtype)
+    norm.weight.data = 1 + 0.1 * torch.randn(k, device=w.device, dtype=dtype)
     try:
         for r in (residual, None):
             s = x if r is None else (x.float() + r.float()).to(x.dtype)
             h = norm._norm(s)  # the torch code, Hugging Face's rounding
-            y, new_residual = gemv_rms_norm(x, r, norm.weight, norm.eps, weight, bias, config)
-            expected = torch.nn.functional.linear(h, weight, bias)
-            if not (torch.allclose(y.float(), expected.float(), atol=2e-2, rtol=2e-2) and torch.equal(new_residual, s)):
+            y, new_residual = layer.gemv_rms_norm(x, r, norm.weight, norm.eps, w, config)
+            if not (_close(y, layer.reference(h)) and torch.equal(new_residual, s)):
                 logger.warning("GEMV %s with the RMSNorm inside disagrees with torch: not fused", config)
                 return False
     except Exception as e:

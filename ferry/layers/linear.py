@@ -41,19 +41,24 @@ class Linear(nn.Linear):
     fp8: Fp8Linear | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8 is not None:
-            return self.fp8.apply(self, x)
         config = self._gemv_config(x)
         if config is not None:
-            return _gemv().gemv(x, self.weight, self.bias, config)
+            return _gemv().gemv(x, self.weight, self.bias, config, False, self.row_scales)
+        if self.fp8 is not None:
+            return self.fp8.apply(self, x)
         return F.linear(x, self.weight, self.bias)
+
+    @property
+    def row_scales(self) -> torch.Tensor | None:
+        """An FP8 weight's scale per output row, which the GEMV applies; None for 16-bit weights."""
+        return self.weight_scale if self.fp8 is not None else None
 
     def forward_silu_and_mul(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """self(act(gate_up)) where act is SiLU-and-mul; where the GEMV serves this batch it applies
         the activation itself as it loads gate_up, and the activation's kernel is saved."""
         config = self._gemv_config(gate_up)
         if config is not None:
-            return _gemv().gemv(gate_up, self.weight, self.bias, config, silu_mul=True)
+            return _gemv().gemv(gate_up, self.weight, self.bias, config, True, self.row_scales)
         return self(act(gate_up))
 
     def forward_rms_norm(
@@ -64,7 +69,8 @@ class Linear(nn.Linear):
         loads it, and the norm's kernel is saved."""
         config = self._gemv_config(x)
         if config is not None and self.gemv_fuses_norm and x.shape[0] == 1:
-            return _gemv().gemv_rms_norm(x, residual, norm.weight, norm.eps, self.weight, self.bias, config)
+            return _gemv().gemv_rms_norm(x, residual, norm.weight, norm.eps, self.weight, self.bias, config,
+                                         self.row_scales)
         if residual is None:
             return self(norm(x)), x
         h, residual = norm(x, residual)
@@ -86,18 +92,20 @@ def _gemv():
 
 
 def tune_small_batch(model: nn.Module) -> None:
-    """Measure, once per distinct shape, whether the GEMV kernel beats cuBLAS for small batches,
-    and set each `Linear`'s configurations accordingly. CUDA only; a no-op elsewhere."""
-    layers = [m for m in model.modules() if isinstance(m, Linear) and m.fp8 is None]
+    """Measure, once per distinct shape, whether the GEMV kernel beats cuBLAS (or, for FP8 weights
+    with a scale per row, the FP8 GEMM) for small batches, and set each `Linear`'s configurations
+    accordingly. CUDA only; a no-op elsewhere."""
+    layers = [m for m in model.modules() if isinstance(m, Linear) and (m.fp8 is None or m.fp8.block is None)]
     if not layers or layers[0].weight.device.type != "cuda":
         return
+    dtype = next(p.dtype for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16, torch.float32))
     choices: dict[tuple, tuple[tuple[tuple[int, GemvConfig | None], ...], bool]] = {}
     for layer in layers:
         key = (*layer.weight.shape, layer.weight.dtype, layer.bias is not None, layer.input_op)
         if key not in choices:
             try:
                 with torch.inference_mode():
-                    choices[key] = _gemv().tune(layer.weight, layer.bias, layer.input_op)
+                    choices[key] = _gemv().tune(_layer_weights(layer, dtype), layer.input_op)
             except Exception as e:  # an optimization: cuBLAS serves every shape anyway
                 logger.warning("small-batch GEMV tuning failed for %s, using cuBLAS: %s", key, e)
                 choices[key] = ((), False)
@@ -111,6 +119,17 @@ def tune_small_batch(model: nn.Module) -> None:
             chosen.append(f"{span} {config or 'cuBLAS'}{inside}")
             low = rows + 1
         logger.info("linear %s x %s%s: %s", key[0], key[1], after, "; ".join(chosen))
+
+
+def _layer_weights(layer: Linear, dtype: torch.dtype):
+    """The layer as the GEMV's tuning sees it; the FP8 GEMM is the path to beat for FP8 weights."""
+    if layer.fp8 is None:
+        return _gemv().LayerWeights(layer.weight, layer.bias)
+    input_scale = getattr(layer, "input_scale", None)
+    return _gemv().LayerWeights(
+        layer.weight, layer.bias, layer.weight_scale, dtype,
+        lambda x, w: layer.fp8.matmul(x, w, layer.weight_scale, layer.bias, input_scale),
+    )
 
 
 class MergedLinear(Linear):

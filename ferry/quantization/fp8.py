@@ -108,10 +108,16 @@ class Fp8Linear:
     activations: str  # "dynamic", "static" or "none" (16-bit activations)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, layer.weight, layer.weight_scale, layer.bias, getattr(layer, "input_scale", None))
+
+    def matmul(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+        input_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x times the FP8 weight (the layer's tensors, or a copy of its weight, as tuning times it)."""
         if x.device.type == "cuda" and self.block is None and self.activations != "none" and x.dim() == 2:
-            return _scaled_mm_rows(x, layer, self)
-        return fp8_linear_reference(x, layer.weight, layer.weight_scale, layer.bias, self,
-                                    getattr(layer, "input_scale", None))
+            return _scaled_mm_rows(x, weight, weight_scale, bias, input_scale if self.activations == "static" else None)
+        return fp8_linear_reference(x, weight, weight_scale, bias, self, input_scale)
 
 
 def fp8_linear_reference(
@@ -131,14 +137,18 @@ def fp8_linear_reference(
     return out.to(x.dtype).reshape(*shape[:-1], -1)
 
 
-def _scaled_mm_rows(x: torch.Tensor, layer: nn.Module, method: Fp8Linear) -> torch.Tensor:
-    """cuBLASLt's FP8 GEMM with a scale per token and one per output row, applied in the kernel."""
-    static = layer.input_scale.max() if method.activations == "static" else None
-    qx, sx = quantize_activations(x, None, static)
-    if static is not None:
-        sx = sx.expand(x.shape[0], 1).contiguous()
-    out = torch._scaled_mm(qx, layer.weight.t(), scale_a=sx, scale_b=layer.weight_scale[None, :],
-                           bias=layer.bias, out_dtype=torch.bfloat16, use_fast_accum=True)
+def _scaled_mm_rows(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """cuBLASLt's FP8 GEMM with a scale per token and one per output row, applied in the kernel;
+    with input_scale, the activations' static scales (the largest serves)."""
+    from ferry.kernels.fp8_quant import quantize_rows_fp8  # (Triton: CUDA only)
+
+    static = input_scale.max().reshape(1) if input_scale is not None else None
+    qx, sx = quantize_rows_fp8(x if x.stride(-1) == 1 else x.contiguous(), static)  # quantize_activations' numbers
+    out = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scale[None, :],
+                           bias=bias, out_dtype=torch.bfloat16, use_fast_accum=True)
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
 
@@ -209,4 +219,4 @@ def _set_fp8(layer: nn.Module, spec: Fp8Spec, q: torch.Tensor, scale: torch.Tens
         shards = len(getattr(layer, "output_sizes", {})) or 1
         layer.input_scale = nn.Parameter(torch.ones(shards, dtype=torch.float32, device=q.device), requires_grad=False)
     layer.fp8 = Fp8Linear(spec.weight_block, spec.activations)
-    layer.gemv_buckets = ()  # (ferry's GEMV reads 16-bit weights)
+    layer.gemv_buckets = ()  # (until tuning finds where ferry's GEMV beats the FP8 GEMM, for row scales)

@@ -1,0 +1,63 @@
+"""Activations to FP8 in one kernel: a scale per token, then every value divided by it.
+
+Before an FP8 GEMM each row x of the activations becomes e4m3 values and one float32 scale,
+
+    s = max(max|x|, 1e-12) / 448        q = e4m3(clamp(x / s, -448, 448))
+
+(quantization/fp8.py's `quantize_activations`, which this kernel matches bit for bit). In torch
+that is six kernels (abs, amax, clamp, divide, clamp, cast), each a launch and a pass over x; here
+one program takes a row, finds its largest magnitude in a first pass and writes the quantized row
+in a second (the row is a few KB, still in cache). With a static scale the first pass is skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = tl.constexpr(448.0)
+MIN_SCALE = tl.constexpr(1e-12)  # as quantization/fp8.py: an all-zero row keeps a usable scale (and zeros)
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, static_scale_ptr, k, stride_x, stride_q,
+    STATIC: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0)
+    x_row = x_ptr + row * stride_x
+    if STATIC:
+        scale = tl.maximum(tl.load(static_scale_ptr).to(tl.float32), MIN_SCALE)
+    else:
+        amax = tl.zeros([BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        # div_rn: IEEE division, rounded as torch rounds it (`/` compiles to a faster, inexact one).
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_SCALE), FP8_MAX)
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, k, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(scale, x.shape)), -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + cols, q, mask=cols < k)
+
+
+def quantize_rows_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) 16- or 32-bit -> (M, K) float8 e4m3 and (M, 1) float32 scales, one per row; with
+    static_scale (one element), every row's scale is it."""
+    m, k = x.shape
+    assert x.stride(-1) == 1
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return q, scale
+    block_k = min(4096, triton.next_power_of_2(k))
+    _quantize_rows_kernel[(m,)](
+        x, q, scale, static_scale if static_scale is not None else scale, k, x.stride(0), q.stride(0),
+        STATIC=static_scale is not None, BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8,
+    )
+    return q, scale

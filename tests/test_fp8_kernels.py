@@ -1,0 +1,63 @@
+"""The FP8 kernels of ferry/kernels/fp8_quant.py against quantization/fp8.py's torch code.
+
+Without a GPU the kernel runs under Triton's interpreter (with its e4m3 rounding patched to the
+GPU's, tests/triton_interpreter.py), and matches bit for bit. On a GPU torch divides by a Python
+number through its reciprocal, the kernel exactly, so a scale may differ in its last bit and a
+value on a rounding boundary land one e4m3 step away: the check is then one unit in the scale's last
+place, and the values within one e4m3 step (1/8 relative), nearly all of them the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernel is defined
+pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from triton_interpreter import patch_interpreter
+
+    patch_interpreter()
+
+from ferry.kernels.fp8_quant import quantize_rows_fp8  # noqa: E402
+from ferry.quantization.fp8 import quantize_activations  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _bytes(q: torch.Tensor) -> torch.Tensor:
+    return q.view(torch.uint8)
+
+
+def assert_same_quantization(q, scale, expected_q, expected_scale):
+    if DEVICE == "cpu":
+        assert torch.equal(scale, expected_scale) and torch.equal(_bytes(q), _bytes(expected_q))
+        return
+    torch.testing.assert_close(scale, expected_scale, rtol=1.2e-7, atol=0)
+    assert (_bytes(q) == _bytes(expected_q)).float().mean() > 0.999  # noqa: PLR2004
+    torch.testing.assert_close(q.float(), expected_q.float(), rtol=0.125, atol=2**-9)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("rows,k", [(1, 64), (5, 1000), (3, 5000)])  # one tile, a ragged one, several
+def test_per_token_quantization_matches_torch(rows, k, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, rows)[:, None]).to(dtype).to(DEVICE)
+    x[0, :7] = 0  # zeros stay zeros
+    if rows > 1:
+        x[1] = 0  # an all-zero row keeps the smallest scale
+    q, scale = quantize_rows_fp8(x)
+    assert_same_quantization(q, scale, *quantize_activations(x))
+
+
+def test_a_static_scale_clamps_what_it_cannot_hold():
+    g = torch.Generator().manual_seed(1)
+    x = (100 * torch.randn(4, 300, generator=g)).to(torch.bfloat16).to(DEVICE)
+    static = torch.tensor([0.05], device=DEVICE)  # 448 * 0.05 = 22.4: most values clamp
+    q, scale = quantize_rows_fp8(x, static)
+    expected_q, expected_scale = quantize_activations(x, None, static)
+    assert_same_quantization(q, scale, expected_q, expected_scale.expand(4, 1).contiguous())
+    assert q.float().abs().max() == 448  # noqa: PLR2004
