@@ -308,6 +308,40 @@ def test_kv_cache_scales_load_from_the_checkpoint_and_scale_the_cache(tmp_path):
     assert error < 2.5 and clamped > 5 * error, (error, clamped)  # noqa: PLR2004
 
 
+def test_kv_cache_scales_under_older_names_load_and_attention_scales_are_skipped(tmp_path):
+    """Older llm-compressor checkpoints keep K's and V's scales as k_proj's and v_proj's output
+    scales; the query's and the probabilities' scales (attention quantized whole) have nothing to
+    scale in ferry and are passed over."""
+    from ferry.config import ModelConfig
+    from ferry.loader.loader import load_model
+
+    layer = "model.layers.0.self_attn."
+    scales = {layer + "k_proj.output_scale": torch.tensor([0.5]), layer + "v_proj.output_scale": torch.tensor([0.25]),
+              layer + "q_scale": torch.tensor([2.0]), layer + "prob_output_scale": torch.tensor([3.0])}
+    model = load_model(ModelConfig.from_pretrained(_with_kv_scales(make_tiny_model("llama", tmp_path), scales)), "cpu")
+    attn = model.model.layers[0].self_attn.attn
+    assert attn.k_scale.tolist() == [0.5, 0.5] and attn.v_scale.tolist() == [0.25, 0.25]
+
+
+def test_a_checkpoint_that_quantizes_only_its_kv_cache_keeps_16_bit_weights():
+    config = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {},
+                                      "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}}}
+    assert resolve_quantization(None, config) is None
+    online = resolve_quantization("fp8", config)
+    assert online is not None and not online.prequantized  # and --quantization fp8 still quantizes at load
+
+
+def test_an_fp8_kv_cache_on_a_gpu_without_e4m3_is_a_clear_error(monkeypatch, tmp_path):
+    from ferry.config import EngineConfig
+    from ferry.executor import model_runner
+
+    config = EngineConfig.create(make_tiny_model("llama", tmp_path), kv_cache_dtype="fp8")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="compute capability 8.0"):
+        model_runner._check_fp8_kv(config, torch.device("cuda"))
+    model_runner._check_fp8_kv(config, torch.device("cpu"))  # the CPU path dequantizes in torch
+
+
 def test_a_kv_cache_scale_that_is_not_positive_is_an_error_naming_it(tmp_path):
     from ferry.config import ModelConfig
     from ferry.loader.loader import load_model

@@ -61,3 +61,12 @@ def test_a_static_scale_clamps_what_it_cannot_hold():
     expected_q, expected_scale = quantize_activations(x, None, static)
     assert_same_quantization(q, scale, expected_q, expected_scale.expand(4, 1).contiguous())
     assert q.float().abs().max() == 448  # noqa: PLR2004
+
+
+def test_a_nan_stays_nan():
+    """As in torch (tl.clamp would otherwise make it 448, and hide the overflow that made it)."""
+    x = torch.ones(2, 64, device=DEVICE, dtype=torch.bfloat16)
+    x[0, 3] = float("nan")
+    q, _ = quantize_rows_fp8(x)
+    assert q[0, 3].float().isnan() and quantize_activations(x)[0][0, 3].float().isnan()
+    assert not q[1].float().isnan().any()

@@ -361,7 +361,7 @@ def test_fp8_tuning_races_the_gemv_against_the_fp8_gemm():
 
     model = torch.nn.Sequential(Linear(4096, 6144, bias=False), Linear(4096, 4096, bias=False)).to(DEVICE, torch.bfloat16)
     quantize_model(model, Fp8Spec("fp8", False, None, False, "dynamic", "weight_scale"))
-    tune_small_batch(model)
+    tune_small_batch(model, torch.bfloat16)
     assert all(layer.weight.dtype == gemv.FP8 and len(layer.gemv_buckets) == len(gemv.ROW_BUCKETS) for layer in model)
     x = torch.randn(1, 4096, device=DEVICE, dtype=torch.bfloat16)
     expected = torch.nn.functional.linear(x.float(), _dequantized(model[0].weight, model[0].weight_scale))

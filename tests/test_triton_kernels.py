@@ -145,6 +145,10 @@ def test_fp8_store_kv_scales_clamps_and_rounds_as_the_reference(dtype):
     assert same_cache(cache, expected)
     stored = cache.float().abs()
     assert stored.max() == 448 and torch.isfinite(stored).all()  # some values clamped
+    k[0, 1, 5] = float("nan")  # a NaN is stored as NaN, as in torch (a clamp would make it 448)
+    slots[0] = 0
+    store_kv(k, v, cache, slots, scales)
+    assert cache[0, 0, 0, 1, 5].float().isnan()
 
 
 @pytest.mark.parametrize("chunks", [DECODE_STEP, MIXED_STEP], ids=["decode", "mixed"])

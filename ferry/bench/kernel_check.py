@@ -354,9 +354,11 @@ def compile_report() -> list[str]:
         consts = dict(GROUP=group, BLOCK_M=prefill_cfg.block_m, BLOCK_Q=prefill_cfg.block_m // group, HEAD_DIM=128,
                       BLOCK_D=128, PAGE_SIZE=page, BLOCK_N=prefill_cfg.block_n, DOT_PRECISION="tf32", FP8_KV=False, WIDEN_Q=False)
         lines.append(f"{f'prefill gqa {group} block {page}':26s}" + build(prefill._prefill_kernel, args, consts, prefill_cfg.num_warps, prefill_cfg.num_stages))
-    fp8_args = {**decode_args, "cache_ptr": "*fp8e4nv"}
-    consts = {**decode_consts(1, 4, 16), "FP8_KV": True, "WIDEN_Q": True}
-    lines.append(f"{'decode gqa 4 block 16 fp8':26s}" + build(decode._decode_split_kernel, fp8_args, consts, decode_cfg.num_warps, decode_cfg.num_stages))
+    fp8_args, fp8_cfg = {**decode_args, "cache_ptr": "*fp8e4nv"}, decode.FP8_DECODE_CONFIG
+    for query_len, group in ((1, 4), (VERIFY_TOKENS, 8)):  # decode, and the largest verify tile (64 rows)
+        consts = {**decode_consts(query_len, group, 16), "BLOCK_N": fp8_cfg.block_n, "FP8_KV": True, "WIDEN_Q": True}
+        lines.append(f"{f'decode {query_len} tok gqa {group} fp8':26s}"
+                     + build(decode._decode_split_kernel, fp8_args, consts, fp8_cfg.num_warps, fp8_cfg.num_stages))
     consts = decode_consts(VERIFY_TOKENS, 4, 16)  # Llama-3.1-8B's verify: 5 tokens x 4 heads in 32 rows
     lines.append(f"{f'verify {VERIFY_TOKENS} gqa 4 block 16':26s}" + build(decode._decode_split_kernel, decode_args, consts, decode_cfg.num_warps, decode_cfg.num_stages))
     args = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "num_splits": "i32",

@@ -614,7 +614,8 @@ def build_model_runner(
     layout = "" if spec is None else f", linear layers in FP8 ({spec.describe()})"
     logger.info("model loaded in %.1f s: %.2f GB of weights on %s%s", time.perf_counter() - start, weight_bytes / 1e9,
                 device, layout)
-    tune_small_batch(model)  # before the KV cache takes the memory, and before graphs capture
+    tune_small_batch(model, getattr(torch, config.model.dtype))  # before the KV cache takes the memory and graphs capture
+    _check_fp8_kv(config, device)
     bytes_per_block = kv_cache_bytes_per_block(config.model, config.cache)
     num_blocks = _num_kv_blocks(config, bytes_per_block)
     kv_caches = allocate_kv_caches(config.model, config.cache, num_blocks, device)
@@ -626,6 +627,14 @@ def build_model_runner(
     decode_graphs = _decode_graphs(config, model, kv_caches, backend, query_lens)
     return ModelRunner(config, model, kv_caches, backend, Sampler(seed=config.seed, device=device), decode_graphs,
                        proposer, grammars)
+
+
+def _check_fp8_kv(config: EngineConfig, device: torch.device) -> None:
+    """An FP8 KV cache on a GPU needs e4m3 in its kernels: compute capability 8.9 (Ada, Hopper) on."""
+    if config.cache.fp8_kv and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(f"kv_cache_dtype {config.cache.kv_cache_dtype}: the KV cache kernels need float8 e4m3, "
+                         f"which this GPU (compute capability {major}.{minor}) lacks; 8.9 or later has it")
 
 
 def _decode_graphs(

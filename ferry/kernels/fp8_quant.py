@@ -42,7 +42,8 @@ def _quantize_rows_kernel(
     for k0 in range(0, k, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(scale, x.shape)), -FP8_MAX, FP8_MAX)
+        q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(scale, x.shape)), -FP8_MAX, FP8_MAX,
+                     propagate_nan=tl.PropagateNan.ALL)  # (a NaN stays NaN, as in torch)
         tl.store(q_ptr + row * stride_q + cols, q, mask=cols < k)
 
 

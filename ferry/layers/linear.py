@@ -91,14 +91,16 @@ def _gemv():
     return gemv
 
 
-def tune_small_batch(model: nn.Module) -> None:
+def tune_small_batch(model: nn.Module, dtype: torch.dtype | None = None) -> None:
     """Measure, once per distinct shape, whether the GEMV kernel beats cuBLAS (or, for FP8 weights
     with a scale per row, the FP8 GEMM) for small batches, and set each `Linear`'s configurations
-    accordingly. CUDA only; a no-op elsewhere."""
+    accordingly. CUDA only; a no-op elsewhere. dtype: the activations' (the model's dtype); None:
+    the first 16-bit parameter's."""
     layers = [m for m in model.modules() if isinstance(m, Linear) and (m.fp8 is None or m.fp8.block is None)]
     if not layers or layers[0].weight.device.type != "cuda":
         return
-    dtype = next(p.dtype for p in model.parameters() if p.dtype in (torch.bfloat16, torch.float16, torch.float32))
+    half = (torch.bfloat16, torch.float16)
+    dtype = dtype or next((p.dtype for p in model.parameters() if p.dtype in half), torch.float32)
     choices: dict[tuple, tuple[tuple[tuple[int, GemvConfig | None], ...], bool]] = {}
     for layer in layers:
         key = (*layer.weight.shape, layer.weight.dtype, layer.bias is not None, layer.input_op)

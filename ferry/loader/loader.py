@@ -105,13 +105,21 @@ def kv_scale_targets(model: nn.Module) -> dict[str, torch.Tensor]:
     return targets
 
 
+# Scales of attention quantized whole (the query, the probabilities): ferry's attention multiplies
+# 16-bit queries and probabilities, so they have nothing to scale.
+_UNUSED_ATTENTION_SCALES = (".self_attn.q_scale", ".self_attn.prob_output_scale")
+
+
 def _kv_scale_names(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Older FP8 checkpoints keep one `kv_scale` for K and V both."""
+    """KV cache scales under their older names: one `kv_scale` for K and V both, or the output
+    scales of k_proj and v_proj (older llm-compressor checkpoints)."""
     for name, tensor in tensors:
         if name.endswith(".kv_scale"):
             yield name.removesuffix("kv_scale") + "k_scale", tensor
             yield name.removesuffix("kv_scale") + "v_scale", tensor
-        else:
+        elif name.endswith((".k_proj.output_scale", ".v_proj.output_scale")):
+            yield name.removesuffix("_proj.output_scale") + "_scale", tensor
+        elif not name.endswith(_UNUSED_ATTENTION_SCALES):
             yield name, tensor
 
 

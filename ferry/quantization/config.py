@@ -80,6 +80,8 @@ def resolve_quantization(requested: str | None, hf_config: dict[str, Any]) -> Fp
                          f"ferry supports {SUPPORTED}")
     if requested not in (None, "fp8", method):
         raise ValueError(f"quantization {requested!r}: the checkpoint is already quantized ({method})")
+    if spec is None and requested == "fp8":  # (the checkpoint quantizes its KV cache only)
+        return resolve_quantization("fp8", {})
     return spec
 
 
@@ -96,11 +98,15 @@ def _hf_fp8(config: dict[str, Any]) -> Fp8Spec:
                    ignore=tuple(config.get("modules_to_not_convert") or ()))
 
 
-def _compressed_tensors(config: dict[str, Any]) -> Fp8Spec:
+def _compressed_tensors(config: dict[str, Any]) -> Fp8Spec | None:
+    """The weights' scheme; None for a checkpoint that quantizes only its KV cache (no config
+    group, a kv_cache_scheme: its k_scale and v_scale serve --kv-cache-dtype fp8)."""
     where = "config.json quantization_config (compressed-tensors)"
     groups = config.get("config_groups") or {}
     if not isinstance(groups, dict) or not all(isinstance(g, dict) for g in groups.values()):
         raise ValueError(f"{where}: config_groups must be an object of objects")
+    if not groups and config.get("kv_cache_scheme"):
+        return None
     if len(groups) != 1:
         raise ValueError(f"{where}: ferry runs one config group (every quantized layer alike), got {len(groups)}")
     (group,) = groups.values()

@@ -62,7 +62,7 @@ def fp8_query(q, WIDEN_Q: tl.constexpr):
     """The query tile in the dtype the K/V tiles widen to: float16 for a 16-bit query over an FP8
     cache (WIDEN_Q, from `widens_query`); as it is otherwise (float32 stays, for exact checks)."""
     if WIDEN_Q:
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
     return q
 
 

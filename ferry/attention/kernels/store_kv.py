@@ -59,9 +59,12 @@ def _store_kv_kernel(
         head = cols // HEAD_DIM
         k_scale = tl.load(k_scale_ptr + head, mask=cols < ROW, other=1.0)
         v_scale = tl.load(v_scale_ptr + head, mask=cols < ROW, other=1.0)
-        # div_rn: IEEE division, rounded as torch rounds it (`/` compiles to a faster, inexact one).
-        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.broadcast_to(k_scale[None, :], k.shape)), -FP8_MAX, FP8_MAX)
-        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.broadcast_to(v_scale[None, :], v.shape)), -FP8_MAX, FP8_MAX)
+        # div_rn: IEEE division, rounded as torch rounds it (`/` compiles to a faster, inexact one);
+        # a NaN stays NaN, as in torch (by default tl.clamp would make it 448).
+        k = tl.math.div_rn(k.to(tl.float32), tl.broadcast_to(k_scale[None, :], k.shape))
+        v = tl.math.div_rn(v.to(tl.float32), tl.broadcast_to(v_scale[None, :], v.shape))
+        k = tl.clamp(k, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        v = tl.clamp(v, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     # tl.store casts to the cache's dtype, as the reference's `.to(kv_cache.dtype)` does.
     tl.store(dst, k, mask=mask)
     tl.store(dst + stride_cache_kv, v, mask=mask)
