@@ -371,6 +371,16 @@ def compile_report() -> list[str]:
     for block_t, num_warps in ((1, 2), (16, 8)):
         consts = dict(ROW=1024, HEAD_DIM=128, BLOCK_T=block_t, BLOCK_ROW=1024, FP8=False, PDL=True)
         lines.append(f"{f'store {block_t} tokens/program':26s}" + build(store_kv._store_kv_kernel, args, consts, num_warps, 1))
+    consts = dict(ROW=1024, HEAD_DIM=128, BLOCK_T=16, BLOCK_ROW=1024, FP8=True, PDL=True)
+    lines.append(f"{'store 16 tokens fp8':26s}"
+                 + build(store_kv._store_kv_kernel, {**args, "cache_ptr": "*fp8e4nv"}, consts, 8, 1))
+    from ferry.kernels import fp8_quant
+
+    args = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_scale_ptr": "*fp32", "k": "i32",
+            **strides("stride_x", "stride_q")}
+    for static in (False, True):
+        label = f"fp8 quant{' static' if static else ''} 4096"
+        lines.append(f"{label:26s}" + build(fp8_quant._quantize_rows_kernel, args, dict(STATIC=static, BLOCK_K=4096), 8, 1))
     from ferry.layers import gemv
 
     args = {"x_ptr": "*bf16", "w_ptr": "*bf16", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",
@@ -383,6 +393,10 @@ def compile_report() -> list[str]:
                           SILU_MUL=silu, NORM=norm, HAS_RESIDUAL=norm, W_SCALE=False, PDL=True)
             label = f"gemv {config.block_n}x{config.block_k} {name}"
             lines.append(f"{label:26s}" + build(gemv._gemv_kernel, args, consts, config.num_warps, 1))
+        consts = dict(HAS_BIAS=False, BLOCK_M=1, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=True,
+                      SILU_MUL=False, NORM=True, HAS_RESIDUAL=True, W_SCALE=True, PDL=True)
+        label = f"gemv {config.block_n}x{config.block_k} fp8 norm"
+        lines.append(f"{label:26s}" + build(gemv._gemv_kernel, {**args, "w_ptr": "*fp8e4nv"}, consts, config.num_warps, 1))
     return lines
 
 
