@@ -22,8 +22,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
     patch_interpreter()
 
+from ferry.kernels.fp8_block_matmul import fp8_block_matmul  # noqa: E402
 from ferry.kernels.fp8_quant import quantize_rows_fp8  # noqa: E402
-from ferry.quantization.fp8 import quantize_activations  # noqa: E402
+from ferry.quantization.fp8 import (  # noqa: E402
+    Fp8Linear, dequantize, dequantize_activations, fp8_linear_reference, quantize_activations, quantize_blocks,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -70,3 +73,33 @@ def test_a_nan_stays_nan():
     q, _ = quantize_rows_fp8(x)
     assert q[0, 3].float().isnan() and quantize_activations(x)[0][0, 3].float().isnan()
     assert not q[1].float().isnan().any()
+
+
+@pytest.mark.parametrize("rows,k", [(2, 256), (3, 300)])  # whole groups, and a ragged last one
+def test_per_token_and_group_quantization_matches_torch(rows, k):
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(rows, k, generator=g) * torch.logspace(-2, 2, k)[None, :]).to(torch.bfloat16).to(DEVICE)
+    q, scale = quantize_rows_fp8(x, group=128)
+    assert scale.shape == (rows, -(-k // 128))
+    assert_same_quantization(q, scale, *quantize_activations(x, 128))
+
+
+# M rows: one, a few, past one tile of 64; N past whole blocks of 128 (ragged scale rows); K of
+# whole groups and a ragged last one.
+@pytest.mark.parametrize("m,n,k,bias", [(1, 128, 256, False), (5, 200, 384, True), (70, 256, 300, False)])
+def test_the_block_fp8_matmul_is_that_of_the_dequantized_numbers(m, n, k, bias):
+    """Against quantization/fp8.py's reference on the same numbers (activations quantized per token
+    and 128 columns, weights per 128 x 128 block), both accumulating in float32: 1e-2, the
+    bf16 rounding of outputs of order 1 to 10."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(n, k, generator=g) * 0.05 * (1 + torch.arange(n)[:, None] % 5)).to(DEVICE)
+    qw, sw = quantize_blocks(w, (128, 128))
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    b = torch.randn(n, generator=g).to(torch.bfloat16).to(DEVICE) if bias else None
+    qx, sx = quantize_rows_fp8(x, group=128)
+    out = fp8_block_matmul(qx, sx, qw, sw, b, (128, 128), torch.bfloat16)
+    expected = fp8_linear_reference(x, qw, sw, b, Fp8Linear((128, 128), "dynamic"))
+    exact = torch.nn.functional.linear(dequantize_activations(qx, sx, 128), dequantize(qw, sw, (128, 128)),
+                                       None if b is None else b.float())
+    torch.testing.assert_close(out.float(), exact, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)

@@ -9,7 +9,8 @@ def patch_interpreter() -> None:
     - Loop bounds loaded from memory are 1-element arrays, which it turns into ints with int(),
       an error from NumPy 2.4 on (triton-lang/triton#9171; the upstream fix squeezes first).
     - It stores bfloat16 as uint16 bit patterns and multiplies those in tl.dot
-      (triton-lang/triton#11584); widening bf16 operands to fp32 first is exact.
+      (triton-lang/triton#11584), and float8 as uint8 ones; widening bf16 and e4m3 operands to fp32
+      first is exact.
     - Its narrowing to float8 e4m3 rounds half up and drops the carry into the exponent (7.875
       becomes 4.0), where the GPU's conversion rounds to nearest even: narrowing goes through torch,
       which rounds as the GPU does.
@@ -29,6 +30,11 @@ def patch_interpreter() -> None:
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     def widen(handle):
+        if handle.dtype.scalar == tl.float8e4nv:  # (the same gap: e4m3 bytes multiplied as integers)
+            import torch
+
+            data = torch.from_numpy(np.ascontiguousarray(handle.data)).view(torch.float8_e4m3fn).float().numpy()
+            return interpreter.TensorHandle(data, tl.float32)
         if handle.dtype.scalar != tl.bfloat16:
             return handle
         data = interpreter._convert_float(handle.data, tl.bfloat16, tl.float32, None).view(np.float32)

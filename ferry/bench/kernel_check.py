@@ -380,7 +380,16 @@ def compile_report() -> list[str]:
             **strides("stride_x", "stride_q")}
     for static in (False, True):
         label = f"fp8 quant{' static' if static else ''} 4096"
-        lines.append(f"{label:26s}" + build(fp8_quant._quantize_rows_kernel, args, dict(STATIC=static, BLOCK_K=4096), 8, 1))
+        consts = dict(GROUP=4096, STATIC=static, BLOCK_K=4096)
+        lines.append(f"{label:26s}" + build(fp8_quant._quantize_rows_kernel, {**args, "stride_scale": "i32"}, consts, 8, 1))
+    from ferry.kernels import fp8_block_matmul as block_mm
+
+    args = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*fp32",
+            "bias_ptr": "*fp32", "c_ptr": "*bf16", "m": "i32", "n": "i32", "k": "i32",
+            **strides("stride_am", "stride_bn", "stride_cm", "stride_as", "stride_bs")}
+    for block_m, num_warps in ((64, 8), (128, 8)):
+        consts = dict(GROUP_N=128, GROUP_K=128, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128)
+        lines.append(f"{f'fp8 block matmul {block_m}x128':26s}" + build(block_mm._fp8_block_matmul_kernel, args, consts, num_warps, 3))
     from ferry.layers import gemv
 
     args = {"x_ptr": "*bf16", "w_ptr": "*bf16", "w_scale_ptr": "*fp32", "bias_ptr": "*bf16", "y_ptr": "*bf16",

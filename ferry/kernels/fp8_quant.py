@@ -1,4 +1,5 @@
-"""Activations to FP8 in one kernel: a scale per token, then every value divided by it.
+"""Activations to FP8 in one kernel: a scale per token (or per token and group of columns), then
+every value divided by it.
 
 Before an FP8 GEMM each row x of the activations becomes e4m3 values and one float32 scale,
 
@@ -6,8 +7,10 @@ Before an FP8 GEMM each row x of the activations becomes e4m3 values and one flo
 
 (quantization/fp8.py's `quantize_activations`, which this kernel matches bit for bit). In torch
 that is six kernels (abs, amax, clamp, divide, clamp, cast), each a launch and a pass over x; here
-one program takes a row, finds its largest magnitude in a first pass and writes the quantized row
-in a second (the row is a few KB, still in cache). With a static scale the first pass is skipped.
+one program takes a row (or a group of it), finds its largest magnitude in a first pass and writes
+the quantized values in a second (the row is a few KB, still in cache). With a static scale the
+first pass is skipped. Block-scaled weights (128 x 128) take activations scaled per token and 128
+columns, so that each K tile of the product has one scale per row on either side.
 """
 
 from __future__ import annotations
@@ -23,42 +26,52 @@ MIN_SCALE = tl.constexpr(1e-12)  # as quantization/fp8.py: an all-zero row keeps
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, static_scale_ptr, k, stride_x, stride_q,
+    x_ptr, q_ptr, scale_ptr, static_scale_ptr, k, stride_x, stride_q, stride_scale,
+    GROUP: tl.constexpr,  # columns a scale covers: k rounded up (a scale per row), or the group
     STATIC: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     row = tl.program_id(0)
+    group = tl.program_id(1)
     x_row = x_ptr + row * stride_x
+    start = group * GROUP
+    end = tl.minimum(start + GROUP, k)
     if STATIC:
         scale = tl.maximum(tl.load(static_scale_ptr).to(tl.float32), MIN_SCALE)
     else:
         amax = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
+        for k0 in range(start, end, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
+            x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
         # div_rn: IEEE division, rounded as torch rounds it (`/` compiles to a faster, inexact one).
         scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_SCALE), FP8_MAX)
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, k, BLOCK_K):
+    tl.store(scale_ptr + row * stride_scale + group, scale)
+    for k0 in range(start, end, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_row + cols, mask=cols < k, other=0.0).to(tl.float32)
+        x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
         q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(scale, x.shape)), -FP8_MAX, FP8_MAX,
                      propagate_nan=tl.PropagateNan.ALL)  # (a NaN stays NaN, as in torch)
-        tl.store(q_ptr + row * stride_q + cols, q, mask=cols < k)
+        tl.store(q_ptr + row * stride_q + cols, q, mask=cols < end)
 
 
-def quantize_rows_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(M, K) 16- or 32-bit -> (M, K) float8 e4m3 and (M, 1) float32 scales, one per row; with
-    static_scale (one element), every row's scale is it."""
+def quantize_rows_fp8(
+    x: torch.Tensor, static_scale: torch.Tensor | None = None, group: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) 16- or 32-bit -> (M, K) float8 e4m3 and float32 scales: (M, 1), one per row; with
+    static_scale (one element), every row's scale is it; with group, (M, ceil(K / group)), one per
+    row and group of columns."""
     m, k = x.shape
-    assert x.stride(-1) == 1
+    assert x.stride(-1) == 1 and (static_scale is None or group is None)
+    groups = 1 if group is None else -(-k // group)
+    span = k if group is None else group
     q = torch.empty((m, k), dtype=FP8, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m == 0:
         return q, scale
-    block_k = min(4096, triton.next_power_of_2(k))
-    _quantize_rows_kernel[(m,)](
+    block_k = min(4096, triton.next_power_of_2(span))
+    _quantize_rows_kernel[(m, groups)](
         x, q, scale, static_scale if static_scale is not None else scale, k, x.stride(0), q.stride(0),
+        scale.stride(0), GROUP=triton.next_power_of_2(k) if group is None else group,
         STATIC=static_scale is not None, BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8,
     )
     return q, scale

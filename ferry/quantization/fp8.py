@@ -10,8 +10,10 @@ put its largest magnitude at 448:
 Activations are quantized the same way as they arrive, one scale per token (per token and 128
 columns with block weights), or with a static scale the checkpoint gives. The product is then
 `(Qx Qw^T) * sx * sw`: on CUDA `torch._scaled_mm` (cuBLASLt) multiplies the FP8 operands and
-applies both scales in one kernel; elsewhere, and for the layouts it lacks, the same numbers are
-dequantized and multiplied in float32 (`fp8_linear_reference`, the reference the kernels are held to).
+applies both scales in one kernel, and for block scales ferry's Triton GEMM does
+(kernels/fp8_block_matmul.py); elsewhere, and for the layouts neither takes (16-bit activations,
+static ones with block weights), the same numbers are dequantized and multiplied in float32
+(`fp8_linear_reference`, the reference the kernels are held to).
 """
 
 from __future__ import annotations
@@ -115,8 +117,11 @@ class Fp8Linear:
         input_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x times the FP8 weight (the layer's tensors, or a copy of its weight, as tuning times it)."""
-        if x.device.type == "cuda" and self.block is None and self.activations != "none" and x.dim() == 2:
-            return _scaled_mm_rows(x, weight, weight_scale, bias, input_scale if self.activations == "static" else None)
+        if x.device.type == "cuda" and self.activations != "none" and x.dim() == 2:
+            if self.block is None:
+                return _scaled_mm_rows(x, weight, weight_scale, bias, input_scale if self.activations == "static" else None)
+            if self.activations == "dynamic":
+                return _block_matmul(x, weight, weight_scale, bias, self.block)
         return fp8_linear_reference(x, weight, weight_scale, bias, self, input_scale)
 
 
@@ -150,6 +155,19 @@ def _scaled_mm_rows(
     out = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scale[None, :],
                            bias=bias, out_dtype=torch.bfloat16, use_fast_accum=True)
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+
+def _block_matmul(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
+    block: tuple[int, int],
+) -> torch.Tensor:
+    """Block-scaled weights: the activations quantized per token and block of columns, then ferry's
+    Triton FP8 GEMM, which applies both scales tile by tile (kernels/fp8_block_matmul.py)."""
+    from ferry.kernels.fp8_block_matmul import fp8_block_matmul  # (Triton: CUDA only)
+    from ferry.kernels.fp8_quant import quantize_rows_fp8
+
+    qx, sx = quantize_rows_fp8(x if x.stride(-1) == 1 else x.contiguous(), group=block[1])
+    return fp8_block_matmul(qx, sx, weight, weight_scale, bias, block, x.dtype)
 
 
 # ---- turning a model's layers to FP8 ----
