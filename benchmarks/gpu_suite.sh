@@ -11,7 +11,9 @@
 # to every ferry engine command; a step named NAME+sync runs NAME with --no-async-scheduling added
 # (asynchronous scheduling is the default on CUDA), so that `throughput_qwen3 throughput_qwen3+sync`
 # compares the two in one run; NAME+nopdl runs it with FERRY_PDL=0 (kernels launched one after
-# another, without programmatic dependent launch).
+# another, without programmatic dependent launch); NAME+fp8 adds --quantization fp8 and NAME+fp8kv
+# --kv-cache-dtype fp8 (both: NAME+fp8+fp8kv), so that `latency_llama8b latency_llama8b+fp8` is
+# the FP8 comparison, side by side.
 set -u
 out=${1:-logs}
 shift || true
@@ -118,6 +120,15 @@ step() {  # the time limit in seconds of one step, and its command
     verify_check_llama8b) echo 120 python3 -m ferry.bench.verify_step --config-dir $llama --dtype float32 \
       --batch-sizes 4 --no-timing --num-kv-blocks 4096 ;;
     multi_token_tests) echo 200 python3 -m pytest -q -x tests/test_multi_token_rows.py ;;
+    fp8_tests) echo 240 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_gemv.py tests/test_triton_kernels.py \
+      -k "fp8 or FP8" ;;
+    # TensorRT-LLM's perf-overview shapes for Llama-3.1-8B (its FP8 figures: 27,911 and 17,744 tok/s).
+    throughput_llama8b_128) echo 150 python3 -m ferry.bench.throughput --config-dir $llama --dtype bfloat16 \
+      --device cuda --no-enforce-eager --max-model-len 4096 --seed 0 $fa --num-prompts 3000 --input-len 128 \
+      --output-len 128 --json "$logs/$name.json" ;;
+    throughput_llama8b_1000) echo 300 python3 -m ferry.bench.throughput --config-dir $llama --dtype bfloat16 \
+      --device cuda --no-enforce-eager --max-model-len 4096 --seed 0 $fa --num-prompts 1000 --input-len 1000 \
+      --output-len 1000 --json "$logs/$name.json" ;;
     multi_turn_qwen3) echo 120 python3 -m ferry.bench.multi_turn --model $qwen --load-format dummy \
       --dtype bfloat16 --device cuda --turns 100 --user-tokens 20 60 --output-tokens 16 ;;
     serve_startup_llama8b) echo 150 serve_startup ;;
@@ -133,9 +144,11 @@ caller_pdl=${FERRY_PDL-}
 for name in $steps; do
   fa=$ferry_args
   [ "${name%+sync}" != "$name" ] && fa="$fa --no-async-scheduling"
+  case $name in *+fp8kv*) fa="$fa --kv-cache-dtype fp8" ;; esac
+  case $name in *+fp8+*|*+fp8) fa="$fa --quantization fp8" ;; esac
   if [ "${name%+nopdl}" != "$name" ]; then export FERRY_PDL=0; else export FERRY_PDL=$caller_pdl; fi
-  base=${name%+nopdl}
-  read -r limit cmd <<< "$(step "${base%+sync}")" || continue
+  base=${name%%+*}
+  read -r limit cmd <<< "$(step "$base")" || continue
   left=$((budget - SECONDS))
   if [ $left -lt 20 ]; then
     echo "== $name: skipped, $left s of the budget left" | tee -a "$out/summary.txt"
