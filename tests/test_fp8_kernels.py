@@ -103,3 +103,54 @@ def test_the_block_fp8_matmul_is_that_of_the_dequantized_numbers(m, n, k, bias):
                                        None if b is None else b.float())
     torch.testing.assert_close(out.float(), exact, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out.float(), expected.float(), atol=1e-2, rtol=1e-2)
+
+
+# ---- the norm and SiLU-and-mul writing FP8: the same numbers as the op, then the quantization ----
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("rows,n", [(1, 64), (3, 1000)])
+def test_the_norm_writes_what_quantizing_its_output_gives(rows, n, with_residual):
+    from ferry.layers import fused
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(rows, n, generator=g).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(rows, n, generator=g).to(torch.bfloat16).to(DEVICE) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(n, generator=g)).to(torch.bfloat16).to(DEVICE)
+    kept = None if residual is None else residual.clone()
+    expected = quantize_rows_fp8(fused.rms_norm(x, weight, 1e-6, kept))
+    q, scale = fused.rms_norm_fp8(x, weight, 1e-6, residual)
+    assert torch.equal(scale, expected[1]) and torch.equal(_bytes(q), _bytes(expected[0]))
+    if residual is not None:
+        assert torch.equal(residual, kept)  # the new residual stream, written in place as rms_norm writes it
+
+
+@pytest.mark.parametrize("rows,d", [(1, 64), (2, 3000)])  # one tile, several and a ragged one
+def test_silu_and_mul_writes_what_quantizing_its_output_gives(rows, d):
+    from ferry.layers import fused
+
+    x = torch.randn(rows, 2 * d, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16).to(DEVICE)
+    q, scale = fused.silu_and_mul_fp8(x)
+    expected_q, expected_scale = quantize_rows_fp8(fused.silu_and_mul(x))
+    assert torch.equal(scale, expected_scale) and torch.equal(_bytes(q), _bytes(expected_q))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the FP8 GEMM (torch._scaled_mm) runs on CUDA")
+def test_an_fp8_layer_takes_its_input_quantized_by_the_op_before():
+    """forward_rms_norm and forward_silu_and_mul of an FP8 layer give what the op then the layer give."""
+    from ferry.layers import fused
+    from ferry.layers.linear import Linear
+    from ferry.layers.norm import RMSNorm
+    from ferry.quantization.config import Fp8Spec
+    from ferry.quantization.fp8 import quantize_model
+
+    model = torch.nn.Sequential(Linear(256, 128, bias=False), Linear(256, 64, bias=False)).to(DEVICE, torch.bfloat16)
+    quantize_model(model, Fp8Spec("fp8", False, None, False, "dynamic", "weight_scale"))
+    norm = RMSNorm(256, 1e-6).to(DEVICE, torch.bfloat16)
+    g = torch.Generator().manual_seed(7)
+    x, residual = (torch.randn(16, 256, generator=g).to(torch.bfloat16).to(DEVICE) for _ in range(2))
+    y, new_residual = model[0].forward_rms_norm(x, residual.clone(), norm)
+    h, expected_residual = norm(x, residual.clone())
+    assert torch.equal(y, model[0](h)) and torch.equal(new_residual, expected_residual)
+    gate_up = torch.randn(16, 512, generator=g).to(torch.bfloat16).to(DEVICE)
+    assert torch.equal(model[1].forward_silu_and_mul(gate_up, fused.silu_and_mul), model[1](fused.silu_and_mul(gate_up)))

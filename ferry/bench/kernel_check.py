@@ -380,8 +380,17 @@ def compile_report() -> list[str]:
             **strides("stride_x", "stride_q")}
     for static in (False, True):
         label = f"fp8 quant{' static' if static else ''} 4096"
-        consts = dict(GROUP=4096, STATIC=static, BLOCK_K=4096)
+        consts = dict(GROUP=4096, STATIC=static, BLOCK_K=4096, PDL=True)
         lines.append(f"{label:26s}" + build(fp8_quant._quantize_rows_kernel, {**args, "stride_scale": "i32"}, consts, 8, 1))
+    from ferry.layers import fused
+
+    args = {"x_ptr": "*bf16", "residual_ptr": "*bf16", "weight_ptr": "*bf16", "out_ptr": "*fp8e4nv",
+            "scale_ptr": "*fp32", **strides("stride_x", "stride_residual", "stride_out"), "n": "i32", "eps": "fp32"}
+    consts = dict(HAS_RESIDUAL=True, BLOCK=4096, OUT_FP8=True, PDL=True)
+    lines.append(f"{'add+norm to fp8 4096':26s}" + build(fused._rms_norm_kernel, args, consts, 16, 1))
+    args = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", **strides("stride_x", "stride_q"), "d": "i32"}
+    lines.append(f"{'silu*mul to fp8 14336':26s}"
+                 + build(fused._silu_and_mul_fp8_kernel, args, dict(BLOCK=2048, PDL=True), 8, 1))
     from ferry.kernels import fp8_block_matmul as block_mm
 
     args = {"a_ptr": "*fp8e4nv", "a_scale_ptr": "*fp32", "b_ptr": "*fp8e4nv", "b_scale_ptr": "*fp32",

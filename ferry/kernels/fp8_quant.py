@@ -19,17 +19,36 @@ import torch
 import triton
 import triton.language as tl
 
+from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = tl.constexpr(448.0)
 MIN_SCALE = tl.constexpr(1e-12)  # as quantization/fp8.py: an all-zero row keeps a usable scale (and zeros)
 
 
 @triton.jit
+def fp8_scale(amax):
+    """A row's (or group's) scale from its largest magnitude (float32)."""
+    # div_rn: IEEE division, rounded as torch rounds it (`/` compiles to a faster, inexact one).
+    return tl.math.div_rn(tl.maximum(amax, MIN_SCALE), FP8_MAX)
+
+
+@triton.jit
+def to_fp8(x, scale):
+    """x / scale clamped to e4m3's range (float32; the store rounds to nearest). A NaN stays NaN,
+    as in torch (tl.clamp by default would make it 448)."""
+    return tl.clamp(tl.math.div_rn(x, tl.broadcast_to(scale, x.shape)), -FP8_MAX, FP8_MAX,
+                    propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, static_scale_ptr, k, stride_x, stride_q, stride_scale,
     GROUP: tl.constexpr,  # columns a scale covers: k rounded up (a scale per row), or the group
-    STATIC: tl.constexpr, BLOCK_K: tl.constexpr,
+    STATIC: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    let_next_kernel_start(PDL)
+    wait_for_previous_kernel(PDL)
     row = tl.program_id(0)
     group = tl.program_id(1)
     x_row = x_ptr + row * stride_x
@@ -43,15 +62,19 @@ def _quantize_rows_kernel(
             cols = k0 + tl.arange(0, BLOCK_K)
             x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        # div_rn: IEEE division, rounded as torch rounds it (`/` compiles to a faster, inexact one).
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), MIN_SCALE), FP8_MAX)
+        scale = fp8_scale(tl.max(amax, axis=0))
     tl.store(scale_ptr + row * stride_scale + group, scale)
     for k0 in range(start, end, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_row + cols, mask=cols < end, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, tl.broadcast_to(scale, x.shape)), -FP8_MAX, FP8_MAX,
-                     propagate_nan=tl.PropagateNan.ALL)  # (a NaN stays NaN, as in torch)
-        tl.store(q_ptr + row * stride_q + cols, q, mask=cols < end)
+        tl.store(q_ptr + row * stride_q + cols, to_fp8(x, scale), mask=cols < end)
+
+
+def fp8_rows_like(x: torch.Tensor, columns: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty (rows, columns) e4m3 values and (rows, 1) float32 scales, on x's device."""
+    rows = x.shape[0]
+    return (torch.empty((rows, columns), dtype=FP8, device=x.device),
+            torch.empty((rows, 1), dtype=torch.float32, device=x.device))
 
 
 def quantize_rows_fp8(
@@ -73,5 +96,6 @@ def quantize_rows_fp8(
         x, q, scale, static_scale if static_scale is not None else scale, k, x.stride(0), q.stride(0),
         scale.stride(0), GROUP=triton.next_power_of_2(k) if group is None else group,
         STATIC=static_scale is not None, BLOCK_K=block_k, num_warps=4 if block_k <= 2048 else 8,
+        **pdl_launch(x.device),
     )
     return q, scale

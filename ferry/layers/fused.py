@@ -15,6 +15,10 @@ Hugging Face's rounding exactly (tests/test_fused_ops.py holds the kernels to it
 tolerances). Each launches with programmatic dependent launch where the device has it
 (kernels/pdl.py), loading its weights while the kernel before it finishes. Rounding here: sums and statistics in float32, results cast to the activations'
 dtype where Hugging Face casts them (the residual sum, the normalized value before the weight).
+
+Before an FP8 GEMM, the norm and SiLU-and-mul can write their output quantized instead (`*_fp8`:
+e4m3 values and a scale per row, the numbers kernels/fp8_quant.py would make of their 16-bit
+output), so the activations' quantization costs no kernel of its own.
 """
 
 from __future__ import annotations
@@ -23,15 +27,16 @@ import torch
 import triton
 import triton.language as tl
 
+from ferry.kernels.fp8_quant import fp8_rows_like, fp8_scale, to_fp8
 from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, scale_ptr,
     stride_x, stride_residual, stride_out,
     n, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, OUT_FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row: with a residual, residual <- x + residual (rounded to the dtype), then
     out <- weight * dtype(s / sqrt(mean(s^2) + eps)) for s the (new) residual, or x without one."""
@@ -49,26 +54,45 @@ def _rms_norm_kernel(
     x32 = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / n + eps)
     normed = (x32 * inv_rms).to(x.dtype).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = normed * w
+    if OUT_FP8:  # the 16-bit output, as the unfused norm would write it, quantized
+        y = y.to(x.dtype).to(tl.float32)
+        scale = fp8_scale(tl.max(tl.where(mask, tl.abs(y), 0.0), axis=0))
+        tl.store(scale_ptr + row, scale)
+        y = to_fp8(y, scale)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm over the last dimension of x (rows, n). With `residual` (rows, n, contiguous rows),
     first residual += x in place, and the norm is of that sum (vLLM's fused_add_rms_norm)."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch_rms_norm(x, weight, eps, residual, out, out)
+    return out
+
+
+def rms_norm_fp8(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm's output quantized per row, in the same kernel: (rows, n) e4m3 and (rows, 1) scales."""
+    q, scale = fp8_rows_like(x, x.shape[1])
+    _launch_rms_norm(x, weight, eps, residual, q, scale)
+    return q, scale
+
+
+def _launch_rms_norm(x, weight, eps, residual, out, scale) -> None:
     rows, n = x.shape
     assert x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
-    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
     if rows == 0:
-        return out
+        return
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows,)](
-        x, residual if residual is not None else x, weight, out,
+        x, residual if residual is not None else x, weight, out, scale,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, OUT_FP8=out.dtype == torch.float8_e4m3fn,
         num_warps=max(1, min(16, block // 256)), **pdl_launch(x.device),
     )
-    return out
 
 
 @triton.jit
@@ -159,6 +183,52 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, d, BLOCK: tl.cons
     # silu rounded to the dtype first, as torch's F.silu(gate) * up rounds it.
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + cols, (act * up).to(gate.dtype), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    x_ptr, q_ptr, scale_ptr, stride_x, stride_q, d, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """One row, in two passes over it: the largest magnitude of silu(gate) * up (rounded to the
+    dtype, as silu_and_mul writes it), then the values divided by the row's scale."""
+    let_next_kernel_start(PDL)
+    wait_for_previous_kernel(PDL)
+    row = tl.program_id(0)
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, d, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        amax = tl.maximum(amax, tl.abs(_silu_mul_tile(x_ptr + row * stride_x, cols, d)))
+    scale = fp8_scale(tl.max(amax, axis=0))
+    tl.store(scale_ptr + row, scale)
+    for c0 in range(0, d, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        y = _silu_mul_tile(x_ptr + row * stride_x, cols, d)
+        tl.store(q_ptr + row * stride_q + cols, to_fp8(y, scale), mask=cols < d)
+
+
+@triton.jit
+def _silu_mul_tile(x_row, cols, d):
+    """silu(gate) * up at `cols` of one row, rounded to the dtype and back to float32 (0 past d)."""
+    mask = cols < d
+    gate = tl.load(x_row + cols, mask=mask, other=0.0)
+    up = tl.load(x_row + d + cols, mask=mask, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    return (act * up).to(gate.dtype).to(tl.float32)
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul's output quantized per row, in one kernel: (rows, d) e4m3 and (rows, 1) scales."""
+    rows, two_d = x.shape
+    d = two_d // 2
+    assert x.stride(-1) == 1
+    q, scale = fp8_rows_like(x, d)
+    if rows == 0:
+        return q, scale
+    block = min(2048, triton.next_power_of_2(d))
+    _silu_and_mul_fp8_kernel[(rows,)](x, q, scale, x.stride(0), q.stride(0), d, BLOCK=block, num_warps=8,
+                                      **pdl_launch(x.device))
+    return q, scale
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

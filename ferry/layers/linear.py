@@ -59,6 +59,8 @@ class Linear(nn.Linear):
         config = self._gemv_config(gate_up)
         if config is not None:
             return _gemv().gemv(gate_up, self.weight, self.bias, config, True, self.row_scales)
+        if self._fp8_rows(gate_up):  # the activation's kernel writes the FP8 GEMM's input
+            return self.fp8.matmul_quantized(*_fused().silu_and_mul_fp8(gate_up), self, gate_up.dtype)
         return self(act(gate_up))
 
     def forward_rms_norm(
@@ -71,10 +73,18 @@ class Linear(nn.Linear):
         if config is not None and self.gemv_fuses_norm and x.shape[0] == 1:
             return _gemv().gemv_rms_norm(x, residual, norm.weight, norm.eps, self.weight, self.bias, config,
                                          self.row_scales)
+        if config is None and self._fp8_rows(x):  # the norm's kernel writes the FP8 GEMM's input
+            qx, x_scale = _fused().rms_norm_fp8(x, norm.weight, norm.eps, residual)
+            return self.fp8.matmul_quantized(qx, x_scale, self, x.dtype), (x if residual is None else residual)
         if residual is None:
             return self(norm(x)), x
         h, residual = norm(x, residual)
         return self(h), residual
+
+    def _fp8_rows(self, x: torch.Tensor) -> bool:
+        """Whether this FP8 layer's GEMM takes activations quantized per token, which the op before
+        it then writes itself (CUDA)."""
+        return self.fp8 is not None and self.fp8.takes_row_scales and x.is_cuda and x.dim() == 2
 
     def _gemv_config(self, x: torch.Tensor) -> GemvConfig | None:
         if x.dim() != 2 or x.shape[0] == 0:
@@ -89,6 +99,12 @@ def _gemv():
     from ferry.layers import gemv  # imports Triton: only on CUDA, where a layer has a configuration
 
     return gemv
+
+
+def _fused():
+    from ferry.layers import fused  # imports Triton: only on CUDA
+
+    return fused
 
 
 def tune_small_batch(model: nn.Module, dtype: torch.dtype | None = None) -> None:

@@ -109,6 +109,17 @@ class Fp8Linear:
     block: tuple[int, int] | None  # None: one weight scale per row
     activations: str  # "dynamic", "static" or "none" (16-bit activations)
 
+    @property
+    def takes_row_scales(self) -> bool:
+        """The activations go in quantized per token (the op before may write them so: layers/fused.py)."""
+        return self.block is None and self.activations == "dynamic"
+
+    def matmul_quantized(self, qx: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+        """The layer's product with activations quantized per token already ((M, 1) scales; CUDA)."""
+        assert self.takes_row_scales
+        return _scaled_mm_quantized(qx, x_scale, layer.weight, layer.weight_scale, layer.bias, out_dtype)
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, layer.weight, layer.weight_scale, layer.bias, getattr(layer, "input_scale", None))
 
@@ -152,9 +163,16 @@ def _scaled_mm_rows(
 
     static = input_scale.max().reshape(1) if input_scale is not None else None
     qx, sx = quantize_rows_fp8(x if x.stride(-1) == 1 else x.contiguous(), static)  # quantize_activations' numbers
-    out = torch._scaled_mm(qx, weight.t(), scale_a=sx, scale_b=weight_scale[None, :],
+    return _scaled_mm_quantized(qx, sx, weight, weight_scale, bias, x.dtype)
+
+
+def _scaled_mm_quantized(
+    qx: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:
+    out = torch._scaled_mm(qx, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :],
                            bias=bias, out_dtype=torch.bfloat16, use_fast_accum=True)
-    return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+    return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
 
 
 def _block_matmul(
