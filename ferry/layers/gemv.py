@@ -341,13 +341,15 @@ Buckets = tuple[tuple[int, GemvConfig | None], ...]  # (up to this many rows, co
 class LayerWeights:
     """A linear layer as the tuning sees it: its weight (16-bit, or FP8 with `weight_scale`, a scale
     per row), its bias, the activations' dtype, and the product the GEMV must beat: `matmul(x, w)`,
-    cuBLAS by default, the FP8 GEMM for an FP8 layer."""
+    cuBLAS by default, the FP8 GEMM for an FP8 layer; `matmul_quantized(qx, x_scale, w)`, that GEMM
+    taking activations the op before it quantized (layers/fused.py's `*_fp8`), as the model runs it."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
     weight_scale: torch.Tensor | None = None
     dtype: torch.dtype | None = None  # of the activations; None: the weight's
     matmul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    matmul_quantized: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def x_dtype(self) -> torch.dtype:
@@ -408,10 +410,11 @@ PathTimes = dict[tuple[GemvConfig | None, bool], float]  # (config or None for c
 
 def path_times(layer: LayerWeights, input_op: str | None, rows: int, copies: list[torch.Tensor]) -> PathTimes:
     """Seconds per call, replayed from CUDA graphs, of the layer with its input op at `rows` rows:
-    (None, False) cuBLAS (or the FP8 GEMM) after the op's kernel; (config, False) the GEMV after it,
+    (None, False) cuBLAS after the op's kernel (or the FP8 GEMM, fed by the op's kernel writing FP8
+    where it can, as Linear runs it); (config, False) the GEMV after it,
     or with SiLU-and-mul inside (the only way a GEMV runs that op); (config, True) at one row, the
     GEMV with the RMSNorm inside. A candidate that fails to run is left out."""
-    from ferry.layers.fused import rms_norm, silu_and_mul
+    from ferry.layers.fused import rms_norm, rms_norm_fp8, silu_and_mul, silu_and_mul_fp8
 
     k, dtype, device = layer.weight.shape[1], layer.x_dtype, layer.weight.device
     x = torch.randn(rows, 2 * k if input_op == "silu_and_mul" else k, device=device, dtype=dtype)
@@ -423,7 +426,14 @@ def path_times(layer: LayerWeights, input_op: str | None, rows: int, copies: lis
             return rms_norm(x, norm_weight, 1e-6, residual)
         return silu_and_mul(x) if input_op == "silu_and_mul" else x
 
-    paths = {(None, False): lambda w: layer.baseline(op(x), w)}
+    def op_then_baseline(w):
+        if layer.matmul_quantized is not None and input_op == "rms_norm":
+            return layer.matmul_quantized(*rms_norm_fp8(x, norm_weight, 1e-6, residual), w)
+        if layer.matmul_quantized is not None and input_op == "silu_and_mul":
+            return layer.matmul_quantized(*silu_and_mul_fp8(x), w)
+        return layer.baseline(op(x), w)
+
+    paths = {(None, False): op_then_baseline}
     for config in candidates(rows):
         if input_op == "silu_and_mul":
             paths[config, False] = lambda w, c=config: layer.gemv(x, w, c, silu_mul=True)

@@ -60,7 +60,7 @@ class Linear(nn.Linear):
         if config is not None:
             return _gemv().gemv(gate_up, self.weight, self.bias, config, True, self.row_scales)
         if self._fp8_rows(gate_up):  # the activation's kernel writes the FP8 GEMM's input
-            return self.fp8.matmul_quantized(*_fused().silu_and_mul_fp8(gate_up), self, gate_up.dtype)
+            return self._fp8_matmul_quantized(*_fused().silu_and_mul_fp8(gate_up), gate_up.dtype)
         return self(act(gate_up))
 
     def forward_rms_norm(
@@ -75,7 +75,7 @@ class Linear(nn.Linear):
                                          self.row_scales)
         if config is None and self._fp8_rows(x):  # the norm's kernel writes the FP8 GEMM's input
             qx, x_scale = _fused().rms_norm_fp8(x, norm.weight, norm.eps, residual)
-            return self.fp8.matmul_quantized(qx, x_scale, self, x.dtype), (x if residual is None else residual)
+            return self._fp8_matmul_quantized(qx, x_scale, x.dtype), (x if residual is None else residual)
         if residual is None:
             return self(norm(x)), x
         h, residual = norm(x, residual)
@@ -85,6 +85,9 @@ class Linear(nn.Linear):
         """Whether this FP8 layer's GEMM takes activations quantized per token, which the op before
         it then writes itself (CUDA)."""
         return self.fp8 is not None and self.fp8.takes_row_scales and x.is_cuda and x.dim() == 2
+
+    def _fp8_matmul_quantized(self, qx: torch.Tensor, x_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.fp8.matmul_quantized(qx, x_scale, self.weight, self.weight_scale, self.bias, dtype)
 
     def _gemv_config(self, x: torch.Tensor) -> GemvConfig | None:
         if x.dim() != 2 or x.shape[0] == 0:
@@ -144,9 +147,13 @@ def _layer_weights(layer: Linear, dtype: torch.dtype):
     if layer.fp8 is None:
         return _gemv().LayerWeights(layer.weight, layer.bias)
     input_scale = getattr(layer, "input_scale", None)
+    quantized = None
+    if layer.fp8.takes_row_scales:  # (the op before writes the input quantized: forward_rms_norm)
+        def quantized(qx, x_scale, w):
+            return layer.fp8.matmul_quantized(qx, x_scale, w, layer.weight_scale, layer.bias, dtype)
     return _gemv().LayerWeights(
         layer.weight, layer.bias, layer.weight_scale, dtype,
-        lambda x, w: layer.fp8.matmul(x, w, layer.weight_scale, layer.bias, input_scale),
+        lambda x, w: layer.fp8.matmul(x, w, layer.weight_scale, layer.bias, input_scale), quantized,
     )
 
 

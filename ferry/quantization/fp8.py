@@ -114,11 +114,13 @@ class Fp8Linear:
         """The activations go in quantized per token (the op before may write them so: layers/fused.py)."""
         return self.block is None and self.activations == "dynamic"
 
-    def matmul_quantized(self, qx: torch.Tensor, x_scale: torch.Tensor, layer: nn.Module,
-                         out_dtype: torch.dtype) -> torch.Tensor:
-        """The layer's product with activations quantized per token already ((M, 1) scales; CUDA)."""
+    def matmul_quantized(
+        self, qx: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+        bias: torch.Tensor | None, out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The product with activations quantized per token already ((M, 1) scales; CUDA)."""
         assert self.takes_row_scales
-        return _scaled_mm_quantized(qx, x_scale, layer.weight, layer.weight_scale, layer.bias, out_dtype)
+        return _scaled_mm_quantized(qx, x_scale, weight, weight_scale, bias, out_dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, layer.weight, layer.weight_scale, layer.bias, getattr(layer, "input_scale", None))
