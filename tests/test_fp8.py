@@ -130,7 +130,7 @@ def _compressed_tensors_config(weights: dict, inputs: dict | None) -> dict:
                 "input_activations": None if inputs is None else {**float8, **inputs}, "output_activations": None}}}
 
 
-def _logits(path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.nn.Module]:
+def _logits(path: Path, kv_cache_dtype: str = "auto") -> tuple[list[torch.Tensor], list[torch.Tensor], torch.nn.Module]:
     """(transformers' logits, ferry's logits, ferry's model) of random sequences."""
     from ferry.config import ModelConfig
     from ferry.loader.loader import load_model
@@ -142,7 +142,7 @@ def _logits(path: Path) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.n
         expected = [hf(s[None]).logits[0].float() for s in sequences]
     model_config = ModelConfig.from_pretrained(path)
     model = load_model(model_config, "cpu")
-    return expected, run_ferry(model, model_config, sequences, prefill_steps(), 16), model
+    return expected, run_ferry(model, model_config, sequences, prefill_steps(), 16, kv_cache_dtype), model
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -274,17 +274,7 @@ def _with_kv_scales(path: Path, scales: dict[str, torch.Tensor]) -> Path:
 
 def _fp8_kv_error(path: Path) -> tuple[float, torch.nn.Module]:
     """(largest logit difference of ferry with an FP8 KV cache from transformers in float32, ferry's model)."""
-    from ferry.config import ModelConfig
-    from ferry.loader.loader import load_model
-
-    g = torch.Generator().manual_seed(1)
-    sequences = [torch.randint(3, VOCAB_SIZE, (n,), generator=g) for n in TOTAL_LENS]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.no_grad():
-        expected = [hf(s[None]).logits[0].float() for s in sequences]
-    model_config = ModelConfig.from_pretrained(path)
-    model = load_model(model_config, "cpu")
-    got = run_ferry(model, model_config, sequences, prefill_steps(), 16, kv_cache_dtype="fp8")
+    expected, got, model = _logits(path, kv_cache_dtype="fp8")
     return _max_diff(got, expected), model
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ferry.config import CacheConfig, ModelConfig
+from ferry.quantization.e4m3 import FP8
 
 
 def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -14,7 +15,7 @@ def kv_cache_shape(model_config: ModelConfig, num_blocks: int, block_size: int) 
 
 
 def kv_cache_dtype(model_config: ModelConfig, cache_config: CacheConfig) -> torch.dtype:
-    return torch.float8_e4m3fn if cache_config.fp8_kv else getattr(torch, model_config.dtype)
+    return FP8 if cache_config.fp8_kv else getattr(torch, model_config.dtype)
 
 
 def kv_cache_bytes_per_block(model_config: ModelConfig, cache_config: CacheConfig) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata
+from ferry.quantization.e4m3 import FP8, FP8_MAX
 
 
 class TorchReferenceBackend(AttentionBackend):
@@ -68,11 +69,8 @@ def gather_kv(
     return keys, values
 
 
-FP8_MAX = 448.0  # the largest e4m3 number
-
-
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype == torch.float8_e4m3fn
+    return dtype == FP8
 
 
 def to_cache(

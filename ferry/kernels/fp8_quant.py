@@ -20,10 +20,12 @@ import triton
 import triton.language as tl
 
 from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
+from ferry.quantization import e4m3
+from ferry.quantization.e4m3 import FP8
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = tl.constexpr(448.0)
-MIN_SCALE = tl.constexpr(1e-12)  # as quantization/fp8.py: an all-zero row keeps a usable scale (and zeros)
+# The format's constants, as kernels may read them.
+FP8_MAX = tl.constexpr(e4m3.FP8_MAX)
+MIN_SCALE = tl.constexpr(e4m3.MIN_SCALE)
 
 
 @triton.jit

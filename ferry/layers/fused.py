@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ferry.kernels.fp8_quant import fp8_rows_like, fp8_scale, to_fp8
+from ferry.kernels.fp8_quant import FP8, fp8_rows_like, fp8_scale, to_fp8
 from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
 
@@ -90,7 +90,7 @@ def _launch_rms_norm(x, weight, eps, residual, out, scale) -> None:
         x, residual if residual is not None else x, weight, out, scale,
         x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0),
         n, eps,
-        HAS_RESIDUAL=residual is not None, BLOCK=block, OUT_FP8=out.dtype == torch.float8_e4m3fn,
+        HAS_RESIDUAL=residual is not None, BLOCK=block, OUT_FP8=out.dtype == FP8,
         num_warps=max(1, min(16, block // 256)), **pdl_launch(x.device),
     )
 

@@ -64,10 +64,9 @@ import triton
 import triton.language as tl
 
 from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
+from ferry.quantization.e4m3 import FP8
 
 logger = logging.getLogger(__name__)
-
-FP8 = torch.float8_e4m3fn
 
 # Batches of up to MAX_ROWS rows may run the GEMV (Linear dispatches them here once tuned), in
 # buckets of row counts, each timed at its largest (its worst case): one row (decode at batch 1), two

@@ -27,12 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ferry.quantization.config import Fp8Spec
+from ferry.quantization.e4m3 import FP8, FP8_MAX, MIN_SCALE
 
 logger = logging.getLogger(__name__)
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8).max  # 448
-_MIN_SCALE = 1e-12  # an all-zero row keeps a usable scale (and zeros)
 
 
 # ---- quantizing and dequantizing ----
@@ -40,7 +38,7 @@ _MIN_SCALE = 1e-12  # an all-zero row keeps a usable scale (and zeros)
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) -> (N, K) float8 and (N,) float32 scales, one per row."""
-    scale = weight.abs().amax(dim=1).float().clamp(min=_MIN_SCALE) / FP8_MAX
+    scale = weight.abs().amax(dim=1).float().clamp(min=MIN_SCALE) / FP8_MAX
     return _to_fp8(weight.float() / scale[:, None]), scale
 
 
@@ -48,7 +46,7 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     """(N, K) -> (N, K) float8 and (ceil(N / bn), ceil(K / bk)) float32 scales, one per block (the
     blocks at the edges may be smaller)."""
     blocks = _blocked(weight.float(), block)  # (N/bn, bn, K/bk, bk), padded with zeros
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=_MIN_SCALE) / FP8_MAX
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=MIN_SCALE) / FP8_MAX
     q = blocks / scale[:, None, :, None]
     n, k = weight.shape
     return _to_fp8(q.flatten(0, 1).flatten(1, 2)[:n, :k]), scale
@@ -68,14 +66,14 @@ def quantize_activations(
     """(M, K) -> (M, K) float8 and float32 scales: (M, 1), one per token; (M, ceil(K / group)),
     one per token and `group` columns; or the static scale given, as (1, 1)."""
     if static_scale is not None:  # (a checkpoint's zero would divide by zero)
-        scale = static_scale.float().reshape(1, 1).clamp(min=_MIN_SCALE)
+        scale = static_scale.float().reshape(1, 1).clamp(min=MIN_SCALE)
         return _to_fp8(x.float() / scale), scale
     if group is None:
-        scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=_MIN_SCALE) / FP8_MAX
+        scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=MIN_SCALE) / FP8_MAX
         return _to_fp8(x.float() / scale), scale
     m, k = x.shape
     groups = F.pad(x.float(), (0, -k % group)).unflatten(1, (-1, group))  # (M, K/group, group)
-    scale = groups.abs().amax(dim=2).clamp(min=_MIN_SCALE) / FP8_MAX
+    scale = groups.abs().amax(dim=2).clamp(min=MIN_SCALE) / FP8_MAX
     return _to_fp8((groups / scale[:, :, None]).flatten(1)[:, :k]), scale
 
 

@@ -54,9 +54,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ferry.attention.kernels.launch import block_d, dot_precision, num_multiprocessors
+from ferry.attention.kernels.launch import block_d, dot_precision, kv_scale_args, num_multiprocessors, widens_query
 from ferry.attention.kernels.paged_tiles import (
-    LOG2_E, fp8_query, kv_scales, load_kv_tile, online_softmax_step, widens_query,
+    LOG2_E, fp8_query, kv_scales, load_kv_tile, online_softmax_step,
 )
 from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
@@ -256,9 +256,7 @@ def decode_attention(
     else:
         partial = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
-    fp8_kv = kv_cache.dtype == torch.float8_e4m3fn
-    assert kv_scales is not None or not fp8_kv, "an FP8 cache needs its scales"
-    k_scale, v_scale = kv_scales if fp8_kv else (lse, lse)  # (unread without FP8)
+    fp8_kv, k_scale, v_scale = kv_scale_args(kv_cache, kv_scales, lse)
     config = config or (FP8_DECODE_CONFIG if fp8_kv else DecodeConfig())
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, partial, lse,

@@ -60,17 +60,10 @@ def load_kv_tile(
 @triton.jit
 def fp8_query(q, WIDEN_Q: tl.constexpr):
     """The query tile in the dtype the K/V tiles widen to: float16 for a 16-bit query over an FP8
-    cache (WIDEN_Q, from `widens_query`); as it is otherwise (float32 stays, for exact checks)."""
+    cache (WIDEN_Q, from launch.widens_query); as it is otherwise (float32 stays, for exact checks)."""
     if WIDEN_Q:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)
     return q
-
-
-def widens_query(q_dtype, fp8_kv: bool) -> bool:
-    """Whether fp8_query makes the query float16 (host side: the kernels' WIDEN_Q)."""
-    import torch
-
-    return fp8_kv and q_dtype != torch.float32
 
 
 @triton.jit

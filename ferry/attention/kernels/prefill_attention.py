@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ferry.attention.kernels.launch import block_d, dot_precision
+from ferry.attention.kernels.launch import block_d, dot_precision, kv_scale_args, widens_query
 from ferry.attention.kernels.paged_tiles import (
-    LOG2_E, fp8_query, kv_scales, load_kv_tile, online_softmax_step, widens_query,
+    LOG2_E, fp8_query, kv_scales, load_kv_tile, online_softmax_step,
 )
 
 
@@ -174,9 +174,7 @@ def prefill_attention(
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
     block_q = config.block_m // group
     num_tiles = num_real_tokens // block_q + num_reqs
-    fp8_kv = kv_cache.dtype == torch.float8_e4m3fn
-    assert kv_scales is not None or not fp8_kv, "an FP8 cache needs its scales"
-    k_scale, v_scale = kv_scales if fp8_kv else (seq_lens, seq_lens)  # (unread without FP8)
+    fp8_kv, k_scale, v_scale = kv_scale_args(kv_cache, kv_scales, seq_lens)
     _prefill_kernel[(num_tiles, num_kv_heads)](
         q, kv_cache, block_tables, query_start_loc, seq_lens, out,
         k_scale, v_scale,

@@ -9,8 +9,9 @@ in the cache, because the cache of a layer is laid out
 
 so a program copies a (BLOCK_T tokens, row) tile of K and one of V, each row to its own slot.
 Slot -1 marks a padding row (a fixed-size batch carries some): its row is masked out, never written.
-An FP8 cache gets each value divided by its KV head's scale and clamped to e4m3's range first, as
-the reference (torch_ref.to_cache) does; the cast then rounds to nearest.
+An FP8 cache gets each value divided by its KV head's scale and clamped to e4m3's range first
+(kernels/fp8_quant.py's `to_fp8`), as the reference (torch_ref.to_cache) does; the cast then
+rounds to nearest.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ferry.attention.kernels.launch import floor_power_of_2, num_multiprocessors
+from ferry.attention.kernels.launch import floor_power_of_2, kv_scale_args, num_multiprocessors
+from ferry.kernels.fp8_quant import to_fp8
 from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
 # One warp moves 32 lanes x 16 bytes = 512 bytes per vector instruction.
@@ -29,9 +31,6 @@ _BYTES_PER_WARP = 32 * 16
 # (the slot loads and address math). A decode batch therefore keeps one token per program.
 _PROGRAMS_PER_SM = 4
 _MAX_TOKENS_PER_PROGRAM = 16
-
-
-FP8_MAX = tl.constexpr(448.0)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -59,12 +58,8 @@ def _store_kv_kernel(
         head = cols // HEAD_DIM
         k_scale = tl.load(k_scale_ptr + head, mask=cols < ROW, other=1.0)
         v_scale = tl.load(v_scale_ptr + head, mask=cols < ROW, other=1.0)
-        # div_rn: IEEE division, rounded as torch rounds it (`/` compiles to a faster, inexact one);
-        # a NaN stays NaN, as in torch (by default tl.clamp would make it 448).
-        k = tl.math.div_rn(k.to(tl.float32), tl.broadcast_to(k_scale[None, :], k.shape))
-        v = tl.math.div_rn(v.to(tl.float32), tl.broadcast_to(v_scale[None, :], v.shape))
-        k = tl.clamp(k, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        v = tl.clamp(v, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        k = to_fp8(k.to(tl.float32), k_scale[None, :])
+        v = to_fp8(v.to(tl.float32), v_scale[None, :])
     # tl.store casts to the cache's dtype, as the reference's `.to(kv_cache.dtype)` does.
     tl.store(dst, k, mask=mask)
     tl.store(dst + stride_cache_kv, v, mask=mask)
@@ -89,9 +84,7 @@ def store_kv(
     row = num_kv_heads * head_dim
     block_t = _tokens_per_program(num_tokens, k.device)
     tile_bytes = block_t * row * k.element_size()
-    fp8 = kv_cache.dtype == torch.float8_e4m3fn
-    assert kv_scales is not None or not fp8, "an FP8 cache needs its scales"
-    k_scale, v_scale = kv_scales if fp8 else (slot_mapping, slot_mapping)  # (unread without FP8)
+    fp8, k_scale, v_scale = kv_scale_args(kv_cache, kv_scales, slot_mapping)
     _store_kv_kernel[(triton.cdiv(num_tokens, block_t),)](
         k, v, kv_cache, slot_mapping, num_tokens,
         k_scale, v_scale,
