@@ -121,7 +121,7 @@ step() {  # the time limit in seconds of one step, and its command
       --batch-sizes 4 --no-timing --num-kv-blocks 4096 ;;
     multi_token_tests) echo 200 python3 -m pytest -q -x tests/test_multi_token_rows.py ;;
     fp8_tests) echo 240 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_gemv.py tests/test_triton_kernels.py \
-      -k "fp8 or FP8" ;;
+      -k "'fp8 or FP8'" ;;
     # TensorRT-LLM's perf-overview shapes for Llama-3.1-8B (its FP8 figures: 27,911 and 17,744 tok/s).
     throughput_llama8b_128) echo 150 python3 -m ferry.bench.throughput --config-dir $llama --dtype bfloat16 \
       --device cuda --no-enforce-eager --max-model-len 4096 --seed 0 $fa --num-prompts 3000 --input-len 128 \

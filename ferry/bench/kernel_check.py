@@ -354,6 +354,9 @@ def compile_report() -> list[str]:
         consts = dict(GROUP=group, BLOCK_M=prefill_cfg.block_m, BLOCK_Q=prefill_cfg.block_m // group, HEAD_DIM=128,
                       BLOCK_D=128, PAGE_SIZE=page, BLOCK_N=prefill_cfg.block_n, DOT_PRECISION="tf32", FP8_KV=False, WIDEN_Q=False)
         lines.append(f"{f'prefill gqa {group} block {page}':26s}" + build(prefill._prefill_kernel, args, consts, prefill_cfg.num_warps, prefill_cfg.num_stages))
+        if group == 4:  # over an FP8 cache (its V widened by PTX in paged_tiles.load_kv_tile)
+            fp8_consts = {**consts, "FP8_KV": True, "WIDEN_Q": True}
+            lines.append(f"{f'prefill gqa {group} fp8':26s}" + build(prefill._prefill_kernel, {**args, "cache_ptr": "*fp8e4nv"}, fp8_consts, prefill_cfg.num_warps, prefill_cfg.num_stages))
     fp8_args, fp8_cfg = {**decode_args, "cache_ptr": "*fp8e4nv"}, decode.FP8_DECODE_CONFIG
     for query_len, group in ((1, 4), (VERIFY_TOKENS, 8)):  # decode, and the largest verify tile (64 rows)
         consts = {**decode_consts(query_len, group, 16), "BLOCK_N": fp8_cfg.block_n, "FP8_KV": True, "WIDEN_Q": True}

@@ -21,7 +21,15 @@ An FP8 cache's tiles are widened to the query's dtype as they load, for the tens
 two values, to bfloat16 only through float32, and on an H200 that conversion, not the halved
 bytes, set the speed (decode over an FP8 cache ran 10% slower than over bf16 when widened to
 bf16; kernel_check times both). float16 holds e4m3 exactly and the query and probabilities with
-more mantissa than bf16; a query past float16's 65504 is clamped. The scales are the kernels'
+more mantissa than bf16; a query past float16's 65504 is clamped. Where the widening happens
+matters as much. Left to itself, Triton keeps a tile in e4m3 through shared memory and widens it in
+the tensor-core operand's registers: right for K, whose operand rows run along head_dim as the cache
+does, but V is the second operand of P @ V, read down its key column, and 8-bit values have no
+transposing shared-memory load (ldmatrix.trans moves 16-bit ones), so V came back one byte per
+load (128 ld.shared.b8 per thread per 128-key tile at head_dim 128). V is therefore widened as it
+arrives, in the load's own layout, by one PTX instruction per two values that the compiler cannot
+move (`_widen_e4m3`), and reaches the tensor cores as float16 through the transposing load, as a
+16-bit cache's V does. The scales are the kernels'
 business: K's multiplies the scores (folded into the softmax scale), V's the output, once, at the
 end (the softmax-weighted sum is linear in V).
 
@@ -31,10 +39,15 @@ one hardware instruction; the log-sum-exp a kernel reports is in the same units.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 LOG2_E = 1.4426950408889634  # softmax(x) = 2 ** (x * log2(e)) / sum(...)
+# Triton's interpreter (CPU tensors) runs no inline PTX; it reads the variable when kernels are
+# defined, as this module does.
+_PTX = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 @triton.jit
@@ -54,7 +67,20 @@ def load_kv_tile(
     mask = in_bounds[:, None] & dim_mask[None, :]
     k = tl.load(ptrs, mask=mask, other=0.0)
     v = tl.load(ptrs + stride_kv, mask=mask, other=0.0)
+    if _PTX and v.dtype == tl.float8e4nv and q.dtype == tl.float16:
+        v = _widen_e4m3(v)
     return k.to(q.dtype), v.to(q.dtype)
+
+
+@triton.jit
+def _widen_e4m3(x):
+    """e4m3 to float16, exactly, where x is (in registers, in its load layout): four bytes in one
+    register become two float16x2 registers. Not pure, so that Triton keeps it here rather than
+    hoisting the tensor-core layout change above it (module docstring)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4,
+    )
 
 
 @triton.jit
