@@ -362,6 +362,9 @@ def compile_report() -> list[str]:
         consts = {**decode_consts(query_len, group, 16), "BLOCK_N": fp8_cfg.block_n, "FP8_KV": True, "WIDEN_Q": True}
         lines.append(f"{f'decode {query_len} tok gqa {group} fp8':26s}"
                      + build(decode._decode_split_kernel, fp8_args, consts, fp8_cfg.num_warps, fp8_cfg.num_stages))
+    many = decode.FP8_MANY_PROGRAMS_CONFIG
+    consts = {**decode_consts(1, 2, 16), "BLOCK_N": many.block_n, "FP8_KV": True, "WIDEN_Q": True}
+    lines.append(f"{'decode gqa 2 fp8 many':26s}" + build(decode._decode_split_kernel, fp8_args, consts, many.num_warps, many.num_stages))
     consts = decode_consts(VERIFY_TOKENS, 4, 16)  # Llama-3.1-8B's verify: 5 tokens x 4 heads in 32 rows
     lines.append(f"{f'verify {VERIFY_TOKENS} gqa 4 block 16':26s}" + build(decode._decode_split_kernel, decode_args, consts, decode_cfg.num_warps, decode_cfg.num_stages))
     args = {"partial_ptr": "*fp32", "lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "out_ptr": "*bf16", "num_splits": "i32",

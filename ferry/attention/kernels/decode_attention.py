@@ -90,9 +90,24 @@ class DecodeConfig:
     num_stages: int = 3
 
 
-# Over an FP8 cache a tile of 128 keys is as many bytes as 64 in bf16; on an H200 it was 2-5%
-# faster than 64 at batch 128-256 (`python -m ferry.bench.kernel_check --sweep`).
+# Over an FP8 cache a tile of 128 keys is as many bytes as 64 in bf16, and with few programs (a
+# small batch, its contexts split) the larger tile keeps more bytes in flight per program. With
+# many programs each SM runs several, and smaller ones (64 keys, 2 warps) do better: on an H200,
+# Qwen3-0.6B's heads at batch 32 and context 4096 took 101 us against 128, at batch 1 and context
+# 32k 65 against 49 (`python -m ferry.bench.kernel_check` times both).
 FP8_DECODE_CONFIG = DecodeConfig(block_n=128, num_warps=4, num_stages=3)
+FP8_MANY_PROGRAMS_CONFIG = DecodeConfig(block_n=64, num_warps=2, num_stages=3)
+# Requests x KV heads from which FP8_MANY_PROGRAMS_CONFIG serves (Llama's 8 KV heads: batch 16).
+FP8_MANY_PROGRAMS = 128
+
+
+def default_config(num_reqs: int, num_kv_heads: int, fp8_kv: bool, query_len: int = 1) -> DecodeConfig:
+    """Stage 1's launch parameters for a batch, from host-side sizes only (fixed in a CUDA graph
+    captured for that batch size). A verify step's taller tiles keep the 4-warp configuration."""
+    if not fp8_kv:
+        return DecodeConfig()
+    many = num_reqs * num_kv_heads >= FP8_MANY_PROGRAMS and query_len == 1
+    return FP8_MANY_PROGRAMS_CONFIG if many else FP8_DECODE_CONFIG
 
 
 @triton.jit
@@ -239,7 +254,7 @@ def decode_attention(
     scale: float,
     out: torch.Tensor,  # like q, written
     num_splits: int,
-    config: DecodeConfig | None = None,  # None: DecodeConfig(), FP8_DECODE_CONFIG over an FP8 cache
+    config: DecodeConfig | None = None,  # None: default_config's
     query_len: int = 1,  # Q: query tokens per request, the last Q of its context (a constexpr)
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's, (num_kv_heads,) each
 ) -> None:
@@ -257,7 +272,7 @@ def decode_attention(
         partial = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
     fp8_kv, k_scale, v_scale = kv_scale_args(kv_cache, kv_scales, lse)
-    config = config or (FP8_DECODE_CONFIG if fp8_kv else DecodeConfig())
+    config = config or default_config(num_reqs, num_kv_heads, fp8_kv, query_len)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         q, kv_cache, block_tables, seq_lens, partial, lse,
         k_scale, v_scale,
