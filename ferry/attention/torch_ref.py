@@ -13,6 +13,7 @@ to the nearest e4m3 number; reading multiplies the scale back:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata
 from ferry.quantization.e4m3 import FP8, FP8_MAX
@@ -49,8 +50,10 @@ def store_kv(
     key_cache = kv_cache[0].flatten(0, 1)  # (num_blocks * block_size, num_kv_heads, head_dim), a view
     value_cache = kv_cache[1].flatten(0, 1)
     real = slot_mapping >= 0
-    key_cache[slot_mapping[real]] = to_cache(k[real], kv_cache.dtype, kv_scales, 0)
-    value_cache[slot_mapping[real]] = to_cache(v[real], kv_cache.dtype, kv_scales, 1)
+    if not bool(real.all()):  # (padding is rare: a step padded to a captured batch size)
+        slot_mapping, k, v = slot_mapping[real], k[real], v[real]
+    key_cache[slot_mapping] = to_cache(k, kv_cache.dtype, kv_scales, 0)
+    value_cache[slot_mapping] = to_cache(v, kv_cache.dtype, kv_scales, 1)
 
 
 def gather_kv(
@@ -61,8 +64,7 @@ def gather_kv(
     FP8 cache in float32, scaled back."""
     block_size = kv_cache.shape[2]
     blocks = block_table[: -(-seq_len // block_size)].long()  # the ceil(seq_len / block_size) blocks in use
-    keys = kv_cache[0, blocks].flatten(0, 1)[:seq_len]  # (num_used_blocks * block_size -> seq_len, kv_heads, head_dim)
-    values = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    keys, values = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len]  # (2, used blocks * block_size -> seq_len, ...)
     if is_fp8(kv_cache.dtype):
         keys = keys.float() * kv_scales[0].float()[:, None]
         values = values.float() * kv_scales[1].float()[:, None]
@@ -87,18 +89,15 @@ def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """softmax(q k^T * scale) v for queries that are the last q_len of the keys' seq_len tokens.
 
     q: (q_len, num_heads, head_dim); keys, values: (seq_len, num_kv_heads, head_dim).
-    Query j sits at context position seq_len - q_len + j and sees keys 0 .. that position.
+    Query j sits at context position seq_len - q_len + j and sees keys 0 .. that position; query
+    head h reads KV head h // (num_heads / num_kv_heads), as HF's repeat_kv lays them out.
     Accumulates in float32 whatever the input dtype.
     """
-    q_len, num_heads, _ = q.shape
-    seq_len, num_kv_heads, _ = keys.shape
-    # GQA: query head h reads kv head h // group (as HF's repeat_kv lays them out).
-    group = num_heads // num_kv_heads
-    keys = keys.float().repeat_interleave(group, dim=1)  # (seq_len, num_heads, head_dim)
-    values = values.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), keys) * scale  # (num_heads, q_len, seq_len)
-    query_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]  # (q_len, 1)
-    key_pos = torch.arange(seq_len, device=q.device)[None, :]  # (1, seq_len)
-    scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)  # (q_len, num_heads, head_dim)
+    q_len, seq_len = q.shape[0], keys.shape[0]
+    # (q_len, seq_len): True where the query may see the key. One query, the last position, sees all.
+    visible = None if q_len == 1 else torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril_(seq_len - q_len)
+    out = F.scaled_dot_product_attention(
+        q.float().transpose(0, 1)[None], keys.float().transpose(0, 1)[None], values.float().transpose(0, 1)[None],
+        attn_mask=visible, scale=scale, enable_gqa=True,
+    )  # (1, num_heads, q_len, head_dim)
+    return out[0].transpose(0, 1).to(q.dtype)  # (q_len, num_heads, head_dim)
