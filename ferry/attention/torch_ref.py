@@ -52,8 +52,12 @@ def store_kv(
     real = slot_mapping >= 0
     if not bool(real.all()):  # (padding is rare: a step padded to a captured batch size)
         slot_mapping, k, v = slot_mapping[real], k[real], v[real]
-    key_cache[slot_mapping] = to_cache(k, kv_cache.dtype, kv_scales, 0)
-    value_cache[slot_mapping] = to_cache(v, kv_cache.dtype, kv_scales, 1)
+    if is_fp8(kv_cache.dtype):  # (no index_copy_ for float8 on a CPU)
+        key_cache[slot_mapping] = to_cache(k, kv_cache.dtype, kv_scales, 0)
+        value_cache[slot_mapping] = to_cache(v, kv_cache.dtype, kv_scales, 1)
+    else:
+        key_cache.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+        value_cache.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 def gather_kv(
@@ -64,7 +68,7 @@ def gather_kv(
     FP8 cache in float32, scaled back."""
     block_size = kv_cache.shape[2]
     blocks = block_table[: -(-seq_len // block_size)].long()  # the ceil(seq_len / block_size) blocks in use
-    keys, values = kv_cache[:, blocks].flatten(1, 2)[:, :seq_len]  # (2, used blocks * block_size -> seq_len, ...)
+    keys, values = kv_cache.index_select(1, blocks).flatten(1, 2)[:, :seq_len]  # (2, seq_len, kv_heads, head_dim)
     if is_fp8(kv_cache.dtype):
         keys = keys.float() * kv_scales[0].float()[:, None]
         values = values.float() * kv_scales[1].float()[:, None]
