@@ -9,7 +9,9 @@ freezes every launch's grid and every tensor's address, and that shapes this fil
   decode one token runs the graph of the smallest captured size b >= n; rows n .. b-1 are padding.
 - Graphs also come per number of query tokens a row brings, q (`query_lens`): 1 for a plain decode,
   1 + k where each request verifies k proposed tokens (speculative decoding). Request i's q tokens
-  are consecutive rows i*q .. i*q+q-1, at positions p_i .. p_i+q-1.
+  are consecutive rows i*q .. i*q+q-1, at positions p_i .. p_i+q-1. A request that brings fewer
+  tokens (fewer proposals) is padded to q with rows that store nothing (slot -1): causal attention
+  keeps its real rows from seeing them, and their outputs are dropped.
 - The inputs live in static buffers that each step overwrites, real rows first, then padding:
 
       int64 (3, max_b * max_q)
@@ -38,7 +40,8 @@ shared memory pool: a smaller graph's intermediates fit in memory the larger one
 A step does no host-device synchronization: two copies from pinned memory and one replay. The
 pinned buffers come in two sets, used in turn: with asynchronous scheduling the next step is
 prepared while this one's copies may still wait in the device's queue, and the set it rewrites is
-the one of the step before, whose tokens have been collected (so its copies are done).
+the one of the step before, whose copies are done (an event recorded after them says so; a draft
+model prepares its forwards one after another without waiting for any).
 
 Without a captured graph (on a CPU), `forward` runs the model eagerly on the same padded static
 buffers, so everything but the capture itself is tested on CPU.
@@ -55,6 +58,7 @@ import torch
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
 from ferry.executor.inputs import ModelInputs, fill_block_table
+from ferry.transfer import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +128,7 @@ class DecodeGraphRunner:
         self.backends = {b: fixed[b] or backend for b in self.batch_sizes}
         pin = self.device.type == "cuda"
         self._hosts = [_DecodeBuffers(max_b, max_q, max_blocks, torch.device("cpu"), pin_memory=pin) for _ in range(2)]
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # after each set's last copy to the device
         self._num_prepared = 0
         self._static = _DecodeBuffers(max_b, max_q, max_blocks, self.device)
         # q tokens a request: request i's rows start at i*q.
@@ -149,22 +154,35 @@ class DecodeGraphRunner:
 
     def prepare(
         self, token_ids: list[int], positions: list[int], block_tables: list[list[int]], query_len: int = 1,
+        real_lens: list[int] | None = None,
     ) -> ModelInputs | None:
         """Pad one step into the static buffers: request i brings token_ids[i*q : i*q+q] at positions
-        positions[i] .. positions[i]+q-1 (q = query_len), its KV blocks in block_tables[i]. None when
-        it fits no graph: more requests than the largest size, a q with no graphs, or a block table
-        wider than max_model_len needs."""
+        positions[i] .. positions[i]+q-1 (q = query_len), its KV blocks in block_tables[i]; with
+        real_lens, request i brings only real_lens[i] <= q tokens (token_ids holds them one request
+        after another) and is padded to q. None when it fits no graph: more requests than the
+        largest size, a q with no graphs, or a block table wider than max_model_len needs."""
         n, q = len(block_tables), query_len
         b = self.padded_size(n)
         lengths = np.fromiter(map(len, block_tables), np.int64, n)
         if b is None or q not in self.query_lens or lengths.max() > self.max_blocks:
             return None
-        h = self._hosts[self._num_prepared % 2]
+        real = None
+        if real_lens is not None:  # request i's rows i*q .. i*q + real_lens[i] - 1 are real
+            real = (np.arange(q)[None, :] < np.asarray(real_lens)[:, None]).reshape(-1)  # (n * q,)
+        which = self._num_prepared % 2
+        h = self._hosts[which]
         self._num_prepared += 1
+        if self._copied[which] is not None:
+            self._copied[which].synchronize()  # (done long ago, unless the host runs far ahead)
         ids, pos, slots = h.int64.numpy()  # views of the pinned buffers, rows (max_b * max_q,)
         seq_lens, tables = h.seq_lens.numpy(), h.block_tables.numpy()
         starts = np.asarray(positions, np.int64)
-        ids[:n * q], ids[n * q:b * q] = token_ids, 0
+        if real is None:
+            ids[:n * q] = token_ids
+        else:
+            ids[:n * q] = 0
+            ids[:n * q][real] = token_ids
+        ids[n * q:b * q] = 0
         offsets = np.tile(np.arange(q), b)  # each request's tokens at its consecutive positions
         pos[:n * q] = np.repeat(starts, q) + offsets[:n * q]
         pos[n * q:b * q] = offsets[n * q:]
@@ -174,11 +192,22 @@ class DecodeGraphRunner:
         fill_block_table(tables[:n, :width], block_tables, lengths)
         tables[n:b, 0] = 0
         bs = self.block_size
-        real = pos[:n * q]
-        slots[:n * q] = tables[np.repeat(np.arange(n), q), real // bs].astype(np.int64) * bs + real % bs
+        if real is None:
+            at = pos[:n * q]
+            slots[:n * q] = tables[np.repeat(np.arange(n), q), at // bs].astype(np.int64) * bs + at % bs
+        else:
+            at, owner = pos[:n * q][real], np.repeat(np.arange(n), q)[real]
+            slots[:n * q] = -1
+            slots[:n * q][real] = tables[owner, at // bs].astype(np.int64) * bs + at % bs
         slots[n * q:b * q] = -1
         self._static.copy_rows_(h, b, q)
-        return self._inputs(b, n, q, seq_lens[:b].tolist())
+        if self.device.type == "cuda":
+            self._copied[which] = torch.cuda.Event()
+            self._copied[which].record()
+        inputs = self._inputs(b, n, q, seq_lens[:b].tolist())
+        if real is not None:  # the real rows' hidden states, in order
+            inputs.logits_indices = to_device(np.flatnonzero(real), torch.int64, self.device)
+        return inputs
 
     def forward(self, inputs: ModelInputs) -> torch.Tensor:
         """(b * q, hidden_size) hidden states of a batch `prepare` padded to b requests of q tokens.
