@@ -264,6 +264,109 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+# Speculative decoding (ferry/spec): how proposals are made. vLLM's speculative_config keys, of
+# which ferry takes these; the name of the bundled draft model stands for its folder.
+SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+              "disable_by_batch_size", "draft_tensor_parallel_size")
+BUNDLED_DRAFT = "ferry-default-draft"
+MAX_SPECULATIVE_TOKENS = 16
+# Proposals stop above this many running requests unless speculative_config says otherwise: on an
+# H200, Llama-3.1-8B's shape with proposals kept at 0.7 and k = 4 decoded 1.57x as fast at batch 32
+# and 0.92x at 128 (docs/benchmarks.md); past ~100 a verify step's extra rows cost more than they save.
+DEFAULT_DISABLE_BY_BATCH_SIZE = 64
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses up to `num_speculative_tokens` next tokens of each
+    running request, and one step of the model verifies them all (spec/proposer.py). `method`
+    "ngram" looks the guesses up in the request's own tokens (prompt lookup: the tokens that followed
+    the latest earlier occurrence of its last n tokens, n from prompt_lookup_max down to
+    prompt_lookup_min); "draft_model" runs a small model (`model`, the draft's folder) of the same
+    vocabulary. Built from a dict of vLLM's keys by `from_dict`."""
+
+    method: str
+    num_speculative_tokens: int
+    model: Path | None = None  # noqa: RUF009
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    # No proposals in a step that runs more requests than this (None: never off): a large batch is
+    # bound by compute rather than by reading the weights, and verifying guesses there costs more
+    # than it saves.
+    disable_by_batch_size: int | None = None
+    # The draft model's config, read from its folder (draft_model only).
+    draft: ModelConfig | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative_config: method {self.method!r} is not supported; ferry has "
+                             f"{', '.join(SPEC_METHODS)}")
+        if not 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
+        if self.method == "ngram" and not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("speculative_config: need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
+                             f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
+        if self.method == "draft_model" and self.draft is None:
+            raise ValueError("speculative_config: the draft_model method needs a 'model' (the draft's folder)")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"speculative_config: disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @classmethod
+    def from_dict(cls, spec: Any, target: ModelConfig) -> SpeculativeConfig:
+        """vLLM's speculative_config (a dict, or its JSON text) for this target model. A "model"
+        without a method is a draft model; the draft must have the target's vocabulary and hold its
+        context. Errors name the key."""
+        if isinstance(spec, str):
+            try:
+                spec = json.loads(spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative_config must be an object of vLLM's keys, got {type(spec).__name__}")
+        unknown = sorted(set(spec) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: ferry does not take {', '.join(map(repr, unknown))} "
+                             f"(it takes {', '.join(_SPEC_KEYS)})")
+        for key, value in spec.items():
+            wanted = (str,) if key in ("method", "model") else (int,)
+            if value is not None and (not isinstance(value, wanted) or isinstance(value, bool)):
+                raise ValueError(f"speculative_config: {key} must be {'a string' if wanted == (str,) else 'an integer'}, "
+                                 f"got {value!r}")
+        if spec.get("draft_tensor_parallel_size") not in (None, 1):
+            raise ValueError("speculative_config: draft_tensor_parallel_size must be 1 (ferry runs on one GPU)")
+        if spec.get("num_speculative_tokens") is None:
+            raise ValueError("speculative_config: num_speculative_tokens is required")
+        method = spec.get("method") or ("draft_model" if spec.get("model") else None)
+        if method is None:
+            raise ValueError(f"speculative_config: give a method ({', '.join(SPEC_METHODS)}) or a draft model")
+        lookup_max, lookup_min = spec.get("prompt_lookup_max"), spec.get("prompt_lookup_min")
+        if method == "ngram":  # one given stands for both, as in vLLM
+            lookup_max, lookup_min = lookup_max or lookup_min or 5, lookup_min or lookup_max or 2
+        draft = _draft_model(spec["model"], target) if method == "draft_model" and spec.get("model") else None
+        disable = spec.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+        return cls(method, spec["num_speculative_tokens"], draft.path if draft else None, lookup_max, lookup_min,
+                   disable, draft)
+
+
+def _draft_model(model: str, target: ModelConfig) -> ModelConfig:
+    """The draft model's config: the target's dtype and context; its vocabulary must be the target's."""
+    if model == BUNDLED_DRAFT:
+        from ferry.assets import default_draft_model_path
+
+        model = default_draft_model_path()
+    try:
+        draft = ModelConfig.from_pretrained(model, dtype=target.dtype, max_model_len=target.max_model_len,
+                                            load_format=target.load_format)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"speculative_config: draft model {model}: {e}") from None
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) is not the "
+                         f"target's ({target.vocab_size}): a draft must share the target's tokenizer")
+    return draft
+
+
 ATTENTION_BACKENDS = ("torch", "triton")
 
 
@@ -313,6 +416,13 @@ class EngineConfig:
     # (Hopper and newer). None (auto): on, unless FERRY_PDL=0 (see `create`).
     pdl: bool | None = option(
         None, flag=False, help="programmatic dependent launch on Hopper and newer (default: on, unless FERRY_PDL=0)")
+    # Built from vLLM's dict (or its JSON text on the command line) by `create`.
+    speculative_config: SpeculativeConfig | None = option(
+        None, help="speculative decoding, vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 3} "
+                   "(prompt lookup; prompt_lookup_max/min) or {\"model\": DIR, \"num_speculative_tokens\": 3} "
+                   f"(a draft model of the same vocabulary; {BUNDLED_DRAFT}: the bundled one); "
+                   f"disable_by_batch_size: no proposals above that many running requests ({DEFAULT_DISABLE_BY_BATCH_SIZE}; "
+                   "null: never off)")
 
     def __post_init__(self) -> None:
         sizes = self.cuda_graph_batch_sizes
@@ -352,6 +462,8 @@ class EngineConfig:
                 values[name] = value
         if values["cuda_graph_batch_sizes"] is not None:
             values["cuda_graph_batch_sizes"] = tuple(values["cuda_graph_batch_sizes"])
+        if values["speculative_config"] is not None and not isinstance(values["speculative_config"], SpeculativeConfig):
+            values["speculative_config"] = SpeculativeConfig.from_dict(values["speculative_config"], model_config)
         return cls(
             model=model_config,
             cache=CacheConfig(**_fields_of(CacheConfig, values)),

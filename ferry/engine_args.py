@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+from dataclasses import is_dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -62,9 +63,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def _parsing(option: EngineOption) -> dict[str, Any]:
     """How argparse reads an option, from its field's type: a boolean as --x/--no-x, a folder as
-    the string given."""
+    the string given, a config of several keys as its JSON text."""
     if option.type is bool:
         return {"action": argparse.BooleanOptionalAction}
+    if is_dataclass(option.type):  # a config of several keys, as vLLM's JSON (speculative_config)
+        return {"type": str, "metavar": "JSON"}
     if option.type not in (int, float, str, Path):
         raise TypeError(f"the option {option.name} ({option.type.__name__}) has no command-line form: flag=False")
     return {"type": str if option.type is Path else option.type, "choices": option.choices}

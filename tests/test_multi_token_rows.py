@@ -21,12 +21,13 @@ if not torch.cuda.is_available():
 
 from fake_model import expected_next_token, fake_engine, reference_tokens
 from ferry import SamplingParams
+from ferry.spec.proposer import Proposer
 from ferry.spec.replay import ReplayProposer
 from test_scheduler import assert_all_blocks_free, random_prompts, run
 from tiny_tokenizers import save_tiny_tokenizer
 
 
-class OracleProposer:
+class OracleProposer(Proposer):
     """Proposes the fake model's true next tokens; each proposal is replaced by a wrong token with
     probability `wrong` (seeded), so that runs of accepted and rejected proposals of every length
     occur."""
@@ -38,12 +39,12 @@ class OracleProposer:
         self.calls = 0
         self.proposed = 0
 
-    def propose(self, request_ids, prompt_token_ids, output_token_ids):
+    def propose(self, requests, prefilled=()):
         self.calls += 1
         proposals = []
-        for prompt, output in zip(prompt_token_ids, output_token_ids):
-            assert None not in output, "proposals follow known tokens only"
-            context, guess = [*prompt, *output], []
+        for request in requests:
+            assert None not in request.output_token_ids, "proposals follow known tokens only"
+            context, guess = [*request.prompt_token_ids, *request.output_token_ids], []
             for _ in range(self.num_speculative_tokens):
                 token = expected_next_token(context)
                 if self.rng.random() < self.wrong:

@@ -202,6 +202,10 @@ class OnlyTheSeam:
     def proposes_tokens(self) -> bool:
         return self._runner.proposes_tokens
 
+    @property
+    def num_lookahead_slots(self) -> int:
+        return self._runner.num_lookahead_slots
+
     def launch(self, scheduler_output):
         self.launched += 1
         return self._runner.launch(scheduler_output)

@@ -141,15 +141,18 @@ def test_verified_proposals_keep_to_the_grammar():
     single steps, and still match."""
     from ferry.engine.engine import LLMEngine
 
-    class Guesser:
+    from ferry.spec.proposer import Proposer
+
+    class Guesser(Proposer):
         num_speculative_tokens = 3
 
         def __init__(self, reference):
             self.reference, self.count = reference, 0
 
-        def propose(self, request_ids, prompt_token_ids, output_token_ids):
+        def propose(self, requests, prefilled=()):
             out = []
-            for prompt, output in zip(prompt_token_ids, output_token_ids):
+            for request in requests:
+                prompt, output = request.prompt_token_ids, request.output_token_ids
                 guess = list(self.reference[tuple(prompt)][len(output):len(output) + 3])
                 self.count += 1
                 if self.count % 2 and guess:
@@ -192,11 +195,13 @@ def test_proposals_after_a_complete_grammar_keep_to_eos():
     engine = single.engine
     eos = engine.grammars.eos_token_ids[0]
 
-    class ProposeEos:
+    from ferry.spec.proposer import Proposer
+
+    class ProposeEos(Proposer):
         num_speculative_tokens = 3
 
-        def propose(self, request_ids, prompt_token_ids, output_token_ids):
-            return [[eos] * 3 for _ in request_ids]
+        def propose(self, requests, prefilled=()):
+            return [[eos] * 3 for _ in requests]
 
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                             structured_outputs=Structured(choice=("red", "green")))

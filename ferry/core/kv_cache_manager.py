@@ -39,6 +39,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # blocks of each request already in the cache
         self._fresh: set[int] = set()  # blocks registered during the current schedule() call
+        self._dropped: dict[str, int] = {}  # blocks trimmed off each request's table, not yet told
 
     @property
     def num_blocks(self) -> int:
@@ -146,7 +147,25 @@ class KVCacheManager:
                 self._fresh.add(blocks[i])
         self._num_registered[request.request_id] = num_full
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Give back the blocks at the end of the request's table that none of its first num_tokens
+        slots lie in (what rejected proposals had filled). They hold no registered block: only full
+        blocks of known, computed tokens are in the prefix cache."""
+        blocks = self._blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return
+        dropped = blocks[keep:]
+        del blocks[keep:]
+        self.pool.free(dropped[::-1])
+        self._dropped[request.request_id] = self._dropped.get(request.request_id, 0) + len(dropped)
+
+    def take_dropped(self, request_id: str) -> int:
+        """How many blocks `trim` took off the request's table since this was last asked."""
+        return self._dropped.pop(request_id, 0)
+
     def free(self, request: Request) -> None:
+        self._dropped.pop(request.request_id, None)
         blocks = self._blocks.pop(request.request_id, None)
         if blocks and self.prefix_cache is not None:
             # Blocks filled by a token that was in flight at their allocation are registered now.

@@ -46,6 +46,9 @@ class ScheduledRequest:
     prompt_logprobs: bool = False
     # The last this many of token_ids are proposals to verify (see the module's docstring).
     num_draft_tokens: int = 0
+    # Blocks taken off the end of its block table since the runner last saw it (freed after rejected
+    # proposals), before new_block_ids are appended.
+    num_dropped_blocks: int = 0
 
 
 @dataclass

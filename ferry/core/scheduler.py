@@ -23,7 +23,10 @@ recomputed.
 
 Proposed tokens (`Request.draft_token_ids`, from an executor that proposes) ride along with a
 running request's decode: they are scheduled as computed, and the ones the step rejects are rolled
-back (`num_computed_tokens` goes down by their number) when its output comes back.
+back (`num_computed_tokens` goes down by their number) when its output comes back, and the blocks
+they alone filled are freed. An executor whose proposer stores K/V of its own guesses (a draft
+model) asks for `lookahead_slots` more: a step that samples for a request also gives it, where the
+pool has room, blocks for that many slots past its computed tokens.
 """
 
 from __future__ import annotations
@@ -35,12 +38,15 @@ from ferry.config import SchedulerConfig
 from ferry.core.kv_cache_manager import KVCacheManager
 from ferry.core.outputs import ModelRunnerOutput, RequestUpdate, ScheduledRequest, SchedulerOutput
 from ferry.core.request import FinishReason, Request, RequestStatus
+from ferry.core.spec_stats import SpecDecodingStats
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, lookahead_slots: int = 0) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.lookahead_slots = lookahead_slots
+        self.spec_stats = SpecDecodingStats()  # how proposals fared
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -120,6 +126,7 @@ class Scheduler:
                 # waits for its token in flight, which may end it.
                 i += request.status is RequestStatus.RUNNING
                 continue
+            new_blocks += self._lookahead(request, num_new, len(drafts))
             scheduled.append(self._scheduled(request, num_new, new_blocks, sampling, drafts=drafts))
             budget -= num_new + len(drafts)
             i += 1
@@ -173,6 +180,13 @@ class Scheduler:
             if victim is request:
                 return None
 
+    def _lookahead(self, request: Request, num_new: int, num_drafts: int = 0) -> list[int]:
+        """Blocks for the proposer's lookahead slots past a request that samples this step, where the
+        pool has them without preempting anyone (a proposer without them guesses less)."""
+        if not self.lookahead_slots or request.num_computed_tokens + num_new < request.num_known_and_in_flight:
+            return []
+        return self.kv_cache.allocate_slots(request, num_new + num_drafts + self.lookahead_slots) or []
+
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
         request.draft_token_ids = []  # proposals for a token stream that will be recomputed
@@ -200,6 +214,7 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = hit.num_tokens
+            new_blocks += self._lookahead(request, num_new)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = hit.num_tokens
                 self.kv_cache.record_prefix_query(request, hit)
@@ -228,6 +243,7 @@ class Scheduler:
             token_ids=token_ids,
             start_pos=start,
             new_block_ids=self.kv_cache.block_ids(request.request_id) if new else new_blocks,
+            num_dropped_blocks=0 if new else self.kv_cache.take_dropped(request.request_id),
             sample=sample,
             prompt_logprobs=request.sampling_params.prompt_logprobs is not None
             and start < request.num_prompt_tokens,
@@ -266,8 +282,12 @@ class Scheduler:
                 continue  # it finished while this step ran; a new request may have its id
             request.num_in_flight -= 1
             token_ids = runner_output.sampled_token_ids[i]
+            if num_drafts:
+                self.spec_stats.observe(num_drafts, len(token_ids) - 1)
             if num_drafts and request.status is RequestStatus.RUNNING:
                 request.num_computed_tokens -= num_drafts + 1 - len(token_ids)  # the rejected ones
+                # Their slots are free again; blocks that only they and the lookahead used go back.
+                self.kv_cache.trim(request, request.num_computed_tokens + 1 + self.lookahead_slots)
             # A request preempted while its token was in flight keeps the token: it is as good as
             # any other, and the recompute will include it.
             reason = None

@@ -58,7 +58,7 @@ class LLMEngine:
         self.executor = executor  # runs the model: executor/executor.py says what the engine needs of it
         self.tokenizer = tokenizer
         kv_cache = KVCacheManager(executor.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, kv_cache)
+        self.scheduler = Scheduler(config.scheduler, kv_cache, executor.num_lookahead_slots)
         self.output_processor = OutputProcessor(tokenizer)
         self.tracer = tracer
         self.eos_token_ids = _eos_token_ids(config, tokenizer)

@@ -27,8 +27,14 @@ class Executor(Protocol):
 
     @property
     def proposes_tokens(self) -> bool:
-        """Whether the outputs carry proposed next tokens (speculative decoding): then the engine
-        collects each step before it schedules the next, which verifies them."""
+        """Whether the next outputs may carry proposed next tokens (speculative decoding, unless it is
+        off for the batch's size): then the engine collects each step before it schedules the next,
+        which verifies them."""
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots past a sampling request's tokens that its proposals need (a draft model stores
+        the K/V of its guesses there); the scheduler allocates them with the step."""
 
     def launch(self, scheduler_output: SchedulerOutput) -> Any:
         """Queue one step; return a handle for `collect`."""

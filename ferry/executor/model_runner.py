@@ -38,13 +38,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
+from ferry.attention.backend import AttentionBackend, ForwardContext
 from ferry.config import EngineConfig
 from ferry.core.outputs import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from ferry.executor.inputs import ModelInputs, fill_block_table
+from ferry.executor.inputs import ModelInputs, flat_batch
 from ferry.sample import SamplerOutput, SamplingRow, request_generator
 from ferry.sample.logprobs import score_tokens
+from ferry.sample.metadata import position_seed
+from ferry.sample.rejection import DraftRows
 from ferry.sampling_params import SamplingParams
+from ferry.spec.proposer import SpecRequest
 from ferry.structured.bitmask import HostBitmasks
 from ferry.transfer import to_device
 
@@ -71,6 +74,8 @@ class _RequestState:
     matcher: Any = None
     # Tokens the matcher has not taken yet: it takes them before its next mask, in the mask's thread.
     grammar_pending: list[int] = dataclass_field(default_factory=list)
+    # What the proposer sees of the request (speculative decoding); None without a proposer.
+    spec: SpecRequest | None = None
 
 
 @dataclass
@@ -86,6 +91,9 @@ class LaunchedStep:
     first_rows: list[int] | None = None
     ready: torch.cuda.Event | None = None  # recorded after that copy; None: nothing to wait for
     output: ModelRunnerOutput | None = None  # set when the step was completed at launch
+    # With a proposer: the requests whose prompt chunk it computed without sampling, and the end of
+    # that chunk (a draft model computes the same, see spec/proposer.py).
+    prefilled: list[tuple[_RequestState, int]] = dataclass_field(default_factory=list)
     grammars_advanced: bool = False  # its tokens already went to its requests' grammar matchers
 
 
@@ -104,6 +112,7 @@ class _WaitingSample:
     rows: list[SamplingRow]
     drafts: list[list[int]]  # each request's proposals
     masks: _Masks | None
+    draft: DraftRows | None  # the rows that verify guesses a draft model sampled
 
 
 class ModelRunner:
@@ -129,6 +138,8 @@ class ModelRunner:
         self.sampler = sampler
         self.decode_graphs = decode_graphs
         self.proposer = proposer
+        spec = config.speculative_config
+        self.disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
         self.grammars = grammars  # makes the matchers of requests with structured output
         self._states: dict[str, _RequestState] = {}
         # The last launched step's sampled ids on the device, and each sampling request's row in
@@ -148,13 +159,22 @@ class ModelRunner:
 
     @property
     def proposes_tokens(self) -> bool:
-        return self.proposer is not None
+        return self.proposer is not None and not self._speculation_off()
+
+    def _speculation_off(self) -> bool:
+        """No proposals while more requests run than speculative_config's disable_by_batch_size."""
+        return self.disable_by_batch_size is not None and len(self._states) > self.disable_by_batch_size
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        return self.proposer.lookahead_slots if self.proposer is not None else 0
 
     def shutdown(self) -> None:
         """Drop the model, the KV cache and the graphs, so that their device memory can be freed."""
         self._drop_waiting()
         self.decode_graphs = None
         self.kv_caches = []
+        self.proposer = None
         self.model = None
         self._states.clear()
         self._last_sampled = None
@@ -214,7 +234,7 @@ class ModelRunner:
             state.output_token_ids[slot:slot + 1] = tokens
             if state.matcher is not None and not step.grammars_advanced:
                 state.grammar_pending += tokens
-        return self._with_proposals(ModelRunnerOutput(step.request_ids, new_tokens), step.states)
+        return self._with_proposals(ModelRunnerOutput(step.request_ids, new_tokens), step.states, step.prefilled)
 
     @staticmethod
     def _tokens_of(step: LaunchedStep) -> list[list[int]]:
@@ -243,16 +263,24 @@ class ModelRunner:
                 state.grammar_pending += tokens
         step.grammars_advanced = True
 
-    def _with_proposals(self, output: ModelRunnerOutput, states: list[_RequestState]) -> ModelRunnerOutput:
-        """The output, with the proposer's next tokens for the requests that still run."""
+    def _with_proposals(
+        self, output: ModelRunnerOutput, states: list[_RequestState], prefilled: list[tuple[_RequestState, int]],
+    ) -> ModelRunnerOutput:
+        """The output, with the proposer's next tokens for the requests that still run (none in a
+        batch larger than speculative_config's disable_by_batch_size)."""
         if self.proposer is None:
             return output
-        live = [(r, s) for r, s in zip(output.sampled_request_ids, states) if self._states.get(r) is s]
-        if live:
-            proposals = self.proposer.propose(
-                [r for r, _ in live], [s.prompt_token_ids for _, s in live], [s.output_token_ids for _, s in live]
-            )
-            output.draft_token_ids = {r: p for (r, _), p in zip(live, proposals) if p}
+        # (A request with a later step in flight, launched while proposals were off, gets none.)
+        live = [s for r, s in zip(output.sampled_request_ids, states)
+                if self._states.get(r) is s and s.output_token_ids[-1] is not None]
+        if self._speculation_off():
+            for state in live:
+                state.spec.draft_probs = None
+            return output
+        prefilled = [(state.spec, end) for state, end in prefilled if self._states.get(state.spec.request_id) is state]
+        if live or prefilled:
+            proposals = self.proposer.propose([state.spec for state in live], prefilled)
+            output.draft_token_ids = {s.spec.request_id: p for s, p in zip(live, proposals) if p}
         return output
 
     @staticmethod
@@ -282,12 +310,18 @@ class ModelRunner:
                 # (A request the scheduler resumed, or a new one that took a finished one's id.)
                 self._drop_state(item.request_id)
                 params = item.sampling_params
-                self._states[item.request_id] = _RequestState(
+                state = self._states[item.request_id] = _RequestState(
                     params, item.prompt_token_ids, list(item.output_token_ids), list(item.new_block_ids),
                     None if params.seed is None else [], item.eos_token_ids, self._matcher(item),
                 )
-            elif item.new_block_ids:
-                self._states[item.request_id].block_ids.extend(item.new_block_ids)
+                if self.proposer is not None:
+                    state.spec = SpecRequest(item.request_id, params, state.prompt_token_ids, state.output_token_ids,
+                                             state.block_ids, num_cached_tokens=item.start_pos)
+            else:
+                block_ids = self._states[item.request_id].block_ids
+                if item.num_dropped_blocks:
+                    del block_ids[len(block_ids) - item.num_dropped_blocks:]
+                block_ids.extend(item.new_block_ids)
 
     def _matcher(self, item: ScheduledRequest) -> Future | None:
         """A request's grammar matcher, advanced past the tokens it generated before a preemption:
@@ -306,7 +340,8 @@ class ModelRunner:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = to_device([s for s, _ in pairs], torch.int64, self.device)
         dst = to_device([d for _, d in pairs], torch.int64, self.device)
-        for kv_cache in self.kv_caches:  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+        draft_caches = self.proposer.kv_caches if self.proposer is not None else ()
+        for kv_cache in [*self.kv_caches, *draft_caches]:  # (2, num_blocks, block_size, num_kv_heads, head_dim)
             kv_cache[:, dst] = kv_cache[:, src]
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest], in_flight: Sequence[int] = ()) -> ModelInputs:
@@ -314,19 +349,8 @@ class ModelRunner:
         num_reqs = len(scheduled)
         query_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_reqs)
         starts = np.fromiter((s.start_pos for s in scheduled), np.int64, num_reqs)
-        query_start_loc = np.zeros(num_reqs + 1, np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        seq_lens = starts + query_lens
-
-        # Per token: which request it belongs to and its position in that request.
-        req_of_token = np.repeat(np.arange(num_reqs), query_lens)  # (num_tokens,)
-        positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - starts, query_lens)
-
-        block_table = self._block_table(scheduled)
-        bs = self.block_size
-        slot_mapping = block_table[req_of_token, positions // bs] * bs + positions % bs
-
+        tables = [self._states[item.request_id].block_ids for item in scheduled]
+        positions, metadata, query_start_loc = flat_batch(query_lens, starts, tables, self.block_size, self.device)
         input_ids = _without_in_flight([t for s in scheduled for t in s.token_ids], in_flight)
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
         # The last token of each request that samples, and before it the proposals it verifies.
@@ -339,23 +363,11 @@ class ModelRunner:
             if s.prompt_logprobs:
                 prompt_logprob_rows.append((i, len(logits_indices), int(query_lens[i])))
                 logits_indices.extend(range(int(query_start_loc[i]), int(query_start_loc[i + 1])))
-
-        to = lambda a, dtype: to_device(a, dtype, self.device)  # noqa: E731
-        metadata = AttentionMetadata(
-            slot_mapping=to(slot_mapping, torch.int64),
-            query_start_loc=to(query_start_loc, torch.int32),
-            seq_lens=to(seq_lens, torch.int32),
-            block_tables=to(block_table, torch.int32),
-            max_query_len=int(query_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=query_start_loc.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
         return ModelInputs(
-            input_ids=to(input_ids, torch.int64),
-            positions=to(positions, torch.int64),
+            input_ids=to_device(input_ids, torch.int64, self.device),
+            positions=positions,
             attn_metadata=metadata,
-            logits_indices=to(logits_indices, torch.int64),
+            logits_indices=to_device(logits_indices, torch.int64, self.device),
             sample_rows=sample_rows,
             prompt_logprob_rows=prompt_logprob_rows,
         )
@@ -364,31 +376,24 @@ class ModelRunner:
         self, scheduled: list[ScheduledRequest], in_flight: Sequence[int] = ()
     ) -> ModelInputs | None:
         """The padded inputs of a step the decode graphs run, or None when it runs eagerly: no
-        graphs, a request that brings a prefill chunk or asks for prompt logprobs, requests that
-        bring different numbers of tokens (one, or one and its proposals), a number no graph was
-        captured for, or more requests than the largest graph."""
+        graphs, a request that brings a prefill chunk or asks for prompt logprobs, more tokens a
+        request than any graph takes, or more requests than the largest graph. Requests that bring
+        fewer tokens than others (no proposals, or fewer) are padded with rows that store nothing."""
         graphs = self.decode_graphs
         if graphs is None:
             return None
-        query_len = len(scheduled[0].token_ids)
+        lens = [len(s.token_ids) for s in scheduled]
         for s in scheduled:
-            if len(s.token_ids) != query_len or s.num_draft_tokens != query_len - 1 or not s.sample \
-                    or s.prompt_logprobs:
+            if s.num_draft_tokens != len(s.token_ids) - 1 or not s.sample or s.prompt_logprobs:
                 return None
-        return graphs.prepare(
-            _without_in_flight([t for s in scheduled for t in s.token_ids], in_flight),
-            [s.start_pos for s in scheduled],
-            [self._states[s.request_id].block_ids for s in scheduled],
-            query_len,
-        )
-
-    def _block_table(self, scheduled: list[ScheduledRequest]) -> np.ndarray:
-        """(num_reqs, max_blocks) block ids, rows padded with 0 (never read: past seq_len)."""
-        tables = [self._states[item.request_id].block_ids for item in scheduled]
-        lengths = np.fromiter(map(len, tables), np.int64, len(tables))
-        table = np.zeros((len(tables), int(lengths.max())), np.int64)
-        fill_block_table(table, tables, lengths)
-        return table
+        query_len = next((q for q in graphs.query_lens if q >= max(lens)), None)
+        uniform = min(lens) == query_len
+        if query_len is None or (in_flight and not uniform):
+            return None
+        token_ids = _without_in_flight([t for s in scheduled for t in s.token_ids], in_flight)
+        return graphs.prepare(token_ids, [s.start_pos for s in scheduled],
+                              [self._states[s.request_id].block_ids for s in scheduled], query_len,
+                              None if uniform else lens)
 
     # ---- sampling ----
 
@@ -404,19 +409,22 @@ class ModelRunner:
         nothing else could use."""
         items = [scheduled[i] for i in inputs.sample_rows]
         states = [self._states[item.request_id] for item in items]
+        prefilled = [] if self.proposer is None else [
+            (self._states[s.request_id], s.start_pos + len(s.token_ids)) for s in scheduled if not s.sample]
         request_ids = [item.request_id for item in items]
         drafts = [item.token_ids[len(item.token_ids) - item.num_draft_tokens:] for item in items]
         rows = [row for state, proposed in zip(states, drafts) for row in self._sampling_rows(state, proposed)]
         masks = self._start_masks(states, drafts, len(rows))
+        draft = self._draft_rows(states, drafts)
         if inputs.prompt_logprob_rows or any(row.params.logprobs is not None for row in rows):
             bitmask = None if masks is None else self._bitmask_on_device(masks)
-            output = self._sample_on_host(scheduled, inputs, logits, rows, request_ids, states, drafts, bitmask)
-            return LaunchedStep(request_ids, output=self._with_proposals(output, states))
+            output = self._sample_on_host(scheduled, inputs, logits, rows, request_ids, states, drafts, bitmask, draft)
+            return LaunchedStep(request_ids, output=self._with_proposals(output, states, prefilled))
         first_rows = None
         if len(rows) > len(items):
             first_rows = np.cumsum([0] + [len(d) + 1 for d in drafts[:-1]]).tolist()
-        step = LaunchedStep(request_ids, states, first_rows=first_rows)
-        waiting = _WaitingSample(step, logits[:len(rows)], rows, drafts, masks)
+        step = LaunchedStep(request_ids, states, first_rows=first_rows, prefilled=prefilled)
+        waiting = _WaitingSample(step, logits[:len(rows)], rows, drafts, masks, draft)
         if masks is None:
             self._queue_sampling(waiting, None)
         else:
@@ -438,7 +446,7 @@ class ModelRunner:
 
     def _queue_sampling(self, waiting: _WaitingSample, bitmask: torch.Tensor | None) -> None:
         step = waiting.step
-        token_ids = self.sampler.choose(waiting.logits, waiting.rows, bitmask)  # (num_rows,), on the device
+        token_ids = self.sampler.choose(waiting.logits, waiting.rows, bitmask, waiting.draft)  # (num_rows,), on the device
         if step.first_rows is not None:
             token_ids = torch.cat([token_ids, _num_accepted(token_ids, step.first_rows, waiting.drafts)])
             self._last_sampled = None  # a verify step's last tokens are not at fixed rows (and nothing overlaps it)
@@ -457,10 +465,10 @@ class ModelRunner:
     def _sample_on_host(
         self, scheduled: list[ScheduledRequest], inputs: ModelInputs, logits: torch.Tensor, rows: list[SamplingRow],
         request_ids: list[str], states: list[_RequestState], drafts: list[list[int]],
-        bitmask: torch.Tensor | None = None,
+        bitmask: torch.Tensor | None = None, draft: DraftRows | None = None,
     ) -> ModelRunnerOutput:
         """Sample and bring everything to the host now: the step's logprobs are host lists."""
-        result: SamplerOutput = self.sampler(logits[:len(rows)], rows, bitmask)
+        result: SamplerOutput = self.sampler(logits[:len(rows)], rows, bitmask, draft)
         logprobs = _logprobs_of(result)
         new_tokens, new_logprobs, row = [], [], 0
         for state, proposed in zip(states, drafts):
@@ -513,6 +521,23 @@ class ModelRunner:
         masks.work.result()
         return self._bitmasks.to_device(masks.bitmask)
 
+    def _draft_rows(self, states: list[_RequestState], drafts: list[list[int]]) -> DraftRows | None:
+        """The rows that verify guesses a draft model sampled (with the distributions it drew them
+        from), or None when the step has none. Each request's proposals are a prefix of what was
+        proposed (the scheduler may cut them), and its distributions serve this step only."""
+        rows, token_ids, probs, row = [], [], [], 0
+        for state, proposed in zip(states, drafts):
+            q = state.spec.draft_probs if state.spec is not None else None
+            if q is not None and proposed:
+                rows += range(row, row + len(proposed))
+                token_ids += proposed
+                probs.append(q[:len(proposed)])
+                state.spec.draft_probs = None
+            row += len(proposed) + 1
+        if not rows:
+            return None
+        return DraftRows(rows, to_device(token_ids, torch.int64, self.device), torch.cat(probs))
+
     def _remember(self, request_ids: list[str], token_ids: torch.Tensor) -> None:
         self._last_sampled = token_ids
         self._last_rows = {request_id: i for i, request_id in enumerate(request_ids)}
@@ -530,10 +555,7 @@ class ModelRunner:
                 while len(state.generators) <= j:
                     state.generators.append(request_generator(params.seed, self.device))
                 generator = state.generators[j]
-                # The random stream is a function of (seed, output position) alone, so a seeded
-                # request samples the same tokens whatever shares its batch, however often it was
-                # preempted and recomputed, and whether its tokens came one or several a step.
-                generator.manual_seed((params.seed * 0x9E3779B97F4A7C15 + num_output) & (2**63 - 1))
+                generator.manual_seed(position_seed(params.seed, num_output))
             suppress: tuple[int, ...] = ()
             if num_output < params.min_tokens:
                 suppress = (*state.eos_token_ids, *params.stop_token_ids)
@@ -593,13 +615,15 @@ def build_model_runner(
     config: EngineConfig, proposer: Proposer | None = None, grammars: Grammars | None = None,
 ) -> ModelRunner:
     """Load the model, size and allocate the KV cache, and pick the attention backend. With a
-    proposer, the decode graphs are also captured for rows of 1 + its num_speculative_tokens; with
-    grammars, requests may ask for structured output."""
+    proposer (given, or the one config.speculative_config asks for), the decode graphs are also
+    captured for rows of 1 + its num_speculative_tokens, and a draft model's own KV cache takes its
+    share of the memory; with grammars, requests may ask for structured output."""
     from ferry.attention.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
     from ferry.attention.selector import get_attention_backend
     from ferry.layers.linear import tune_small_batch
     from ferry.loader.loader import load_model
     from ferry.sample import Sampler
+    from ferry.spec.selector import get_proposer
 
     device = torch.device(config.device)
     torch.manual_seed(config.seed)
@@ -615,8 +639,12 @@ def build_model_runner(
     logger.info("model loaded in %.1f s: %.2f GB of weights on %s%s", time.perf_counter() - start, weight_bytes / 1e9,
                 device, layout)
     tune_small_batch(model, getattr(torch, config.model.dtype))  # before the KV cache takes the memory and graphs capture
+    if proposer is None:
+        proposer = get_proposer(config)  # (a draft model is loaded here)
     _check_fp8_kv(config, device)
     bytes_per_block = kv_cache_bytes_per_block(config.model, config.cache)
+    if proposer is not None:  # a draft model's own cache has the target's blocks
+        bytes_per_block += proposer.kv_bytes_per_block(config.cache)
     num_blocks = _num_kv_blocks(config, bytes_per_block)
     kv_caches = allocate_kv_caches(config.model, config.cache, num_blocks, device)
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB, %s)", num_blocks, config.cache.block_size,
@@ -625,6 +653,8 @@ def build_model_runner(
     backend = get_attention_backend(device, config.attention_backend)
     query_lens = (1,) if proposer is None else (1, 1 + proposer.num_speculative_tokens)
     decode_graphs = _decode_graphs(config, model, kv_caches, backend, query_lens)
+    if proposer is not None:
+        proposer.allocate(config, num_blocks, get_attention_backend(device, config.attention_backend))
     return ModelRunner(config, model, kv_caches, backend, Sampler(seed=config.seed, device=device), decode_graphs,
                        proposer, grammars)
 

@@ -48,6 +48,14 @@ def request_generator(seed: int, device: torch.device | str = "cpu") -> torch.Ge
     return torch.Generator(device=device).manual_seed(seed % 2**64)
 
 
+def position_seed(seed: int, position: int, stream: int = 0) -> int:
+    """The seed of a seeded request's draw for the token at `position` of its output: its random
+    stream is a function of (seed, position) alone, so it samples the same tokens whatever shares
+    its batch, however often it was preempted and recomputed, and whether its tokens came one or
+    several a step. `stream` tells apart draws of other purposes (a draft model's guesses)."""
+    return (seed * 0x9E3779B97F4A7C15 + position + stream * 0xD1B54A32D192ED03) & (2**63 - 1)
+
+
 @dataclass(frozen=True)
 class RandomRowParams:
     """The sampled (non-greedy) rows' parameters, one entry per row, on the logits' device, and

@@ -27,6 +27,7 @@ import torch
 from ferry.sample.logprobs import compute_logprobs
 from ferry.sample.metadata import RandomRowParams, SamplingRow
 from ferry.sample.penalties import apply_bans_, apply_logit_bias_, apply_penalties_, needs_adjusting
+from ferry.sample.rejection import DraftRows, verify_rows_
 from ferry.sample.truncation import truncation_threshold
 from ferry.structured.bitmask import masked_logits
 from ferry.transfer import to_device
@@ -54,12 +55,14 @@ class Sampler:
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None,
+        draft: DraftRows | None = None,
     ) -> SamplerOutput:
         """logits: (num_rows, vocab) on the generator's device, row i belongs to rows[i]; the
         tensor is not modified. token_bitmask: the tokens each row may choose (structured output,
-        structured/bitmask.py), on the logits' device."""
+        structured/bitmask.py), on the logits' device. draft: rows that verify a sampled guess
+        (rejection.py)."""
         logits = logits.float()  # no copy when already float32
-        token_ids = self.choose(logits, rows, token_bitmask)  # (num_rows,) int64
+        token_ids = self.choose(logits, rows, token_bitmask, draft)  # (num_rows,) int64
         reported = compute_logprobs(logits, token_ids, rows)
         if reported is None:
             return SamplerOutput(token_ids.tolist(), None, [None] * len(rows), None)
@@ -67,12 +70,40 @@ class Sampler:
 
     def choose(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None,
+        draft: DraftRows | None = None,
     ) -> torch.Tensor:
         """(num_rows, vocab) -> (num_rows,) int64 token ids, left on the logits' device: the step
         that does not need them on the host yet (asynchronous scheduling) reads them later. A
-        token_bitmask bans, like the bans, every token whose bit is 0."""
+        token_bitmask bans, like the bans, every token whose bit is 0. `draft`: the rows that verify
+        a guess sampled from a known distribution (sampled rows only), kept or replaced by the
+        rejection rule (rejection.py)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"expected logits of shape ({len(rows)}, vocab), got {tuple(logits.shape)}")
+        logits = self._adjusted(logits, rows, token_bitmask)
+        sampled = [i for i, row in enumerate(rows) if not row.greedy]
+        if not sampled:
+            return logits.argmax(dim=-1)
+        if len(sampled) == len(rows):
+            return self._sample(logits, list(rows), draft)
+        token_ids = logits.argmax(dim=-1)  # right for the greedy rows; the others are replaced
+        index = to_device(sampled, torch.int64, logits.device)
+        token_ids[index] = self._sample(logits[index], [rows[i] for i in sampled],
+                                        draft.among(sampled) if draft is not None else None)
+        return token_ids
+
+    def distribution(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """(R, vocab) -> (R, vocab) float32: the probabilities each row's token is drawn from (after
+        the logit bias, penalties, bans, temperature and truncation), normalized. For sampled rows
+        (a draft model's guesses are drawn from these, then verified with them)."""
+        _check_generators(rows)
+        probs = self._probs(self._adjusted(logits, rows), list(rows))
+        return probs / probs.sum(dim=-1, keepdim=True).clamp_min_(torch.finfo(probs.dtype).tiny)
+
+    def _adjusted(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], token_bitmask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The logits in float32, with the bitmask's, the bias's, the penalties' and the bans' changes
+        (a new tensor where there are any)."""
         _check_generators(rows)
         logits = logits.float()
         if token_bitmask is not None:
@@ -82,25 +113,28 @@ class Sampler:
             # can make a logit inf or NaN; `finite` keeps the order of the rest.
             adjusted = apply_penalties_(apply_logit_bias_(logits.clone(), rows), rows)
             logits = apply_bans_(finite_(adjusted), rows)
-        sampled = [i for i, row in enumerate(rows) if not row.greedy]
-        if not sampled:
-            return logits.argmax(dim=-1)
-        if len(sampled) == len(rows):
-            return self._sample(logits, list(rows))
-        token_ids = logits.argmax(dim=-1)  # right for the greedy rows; the others are replaced
-        index = to_device(sampled, torch.int64, logits.device)
-        token_ids[index] = self._sample(logits[index], [rows[i] for i in sampled])
-        return token_ids
+        return logits
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """logits: (R, vocab), not modified -> (R,) int64 token ids."""
+    def _probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """(R, vocab) after temperature and truncation; not normalized (truncation zeroes entries)."""
         params = RandomRowParams.from_rows(rows, logits.shape[-1], logits.device)
         probs = finite_(logits / params.temperature.unsqueeze(1)).softmax(dim=-1)  # (R, vocab)
         if params.truncates:
             probs.masked_fill_(probs < truncation_threshold(probs, params), 0.0)
-        return inverse_cdf(probs, self._uniforms(rows, logits.device), logits)
+        return probs
 
-    def _uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], draft: DraftRows | None = None) -> torch.Tensor:
+        """logits: (R, vocab), not modified -> (R,) int64 token ids."""
+        probs = self._probs(logits, rows)
+        u = self.uniforms(rows, logits.device)
+        if draft is not None:
+            # Each verifying row draws a second number, for the keep-or-replace test.
+            accept_u = self.uniforms([rows[i] for i in draft.rows], logits.device)
+            index = to_device(draft.rows, torch.int64, logits.device)
+            probs[index] = verify_rows_(probs[index], draft, accept_u)
+        return inverse_cdf(probs, u, logits)
+
+    def uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
         """(R, 1) uniform numbers in [0, 1): rows with a generator draw from it, the rest from ours."""
         u = torch.empty((len(rows), 1), device=device)
         shared = [i for i, row in enumerate(rows) if row.generator is None]

@@ -1,0 +1,40 @@
+"""How speculative proposals fare: counted where verified steps come back, named as vLLM's metrics.
+
+    num_drafts            verify rows (one request's proposals checked in one step)
+    num_draft_tokens      proposed tokens checked
+    num_accepted_tokens   of which kept
+    accepted_per_pos[j]   rows that kept their (j+1)-th proposal: acceptance by position
+
+Acceptance rate = accepted / draft tokens; mean accepted length = 1 + accepted / drafts (tokens a
+verify row yields, the bonus token included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodingStats:
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos += [0] * (num_draft_tokens - len(self.accepted_per_pos))
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify row yields: its kept proposals and the token sampled after them."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
