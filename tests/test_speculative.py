@@ -482,3 +482,44 @@ def test_the_command_line_takes_vllms_json(capsys):
     assert capsys.readouterr().out.startswith("def add(a, b):")
     assert main(["generate", "x", "--speculative-config", '{"method": "ngram"}']) == 2
     assert "num_speculative_tokens is required" in capsys.readouterr().err
+
+
+# ---- through HTTP ----
+
+
+def test_a_server_with_the_bundled_draft_answers_as_plain_decoding_and_counts_its_proposals(tmp_path):
+    """`ferry serve --speculative-config`: greedy text through HTTP is the plain engine's, streamed or
+    not, and /metrics counts drafts, proposed and accepted tokens, by position (vLLM's names)."""
+    httpx = pytest.importorskip("httpx")
+    from test_server import metric_values, serving
+
+    from ferry import LLM
+    from ferry.assets import default_model_path
+
+    prompt, params = "def fibonacci(n):", dict(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = LLM().generate([prompt], SamplingParams(**params), use_tqdm=False)[0].outputs[0].text
+    spec = json.dumps({"model": "ferry-default-draft", "num_speculative_tokens": 3})
+    with serving(default_model_path(), tmp_path / "server.log", "--served-model-name", "ferry-default",
+                 "--speculative-config", spec) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"model": "ferry-default", "prompt": prompt, **params}
+        assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
+        stream = http.post("/v1/completions", json={**body, "stream": True})
+        chunks = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == expected
+        sampled = http.post("/v1/completions", json={**body, "temperature": 0.8, "seed": 5, "n": 2}).json()
+        assert len(sampled["choices"]) == 2 and sampled["usage"]["completion_tokens"] == 80
+        metrics = metric_values(http)
+        drafts = metrics["ferry:spec_decode_num_drafts_total"]
+        proposed = metrics["ferry:spec_decode_num_draft_tokens_total"]
+        accepted = metrics["ferry:spec_decode_num_accepted_tokens_total"]
+        assert 0 < accepted <= proposed <= 3 * drafts
+        per_pos = http.get("/metrics").text
+        assert 'ferry:spec_decode_num_accepted_tokens_per_pos_total{model_name="ferry-default",position="0"}' in per_pos
+
+
+def test_a_bad_speculative_config_stops_ferry_serve_with_a_message(capsys):
+    from ferry.cli import main
+
+    assert main(["serve", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}']) == 2
+    assert "method 'medusa' is not supported" in capsys.readouterr().err

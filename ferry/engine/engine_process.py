@@ -238,11 +238,13 @@ class EngineLoop:
             max_model_len=config.model.max_model_len,
             vocab_size=config.model.vocab_size,
             kv_cache_tokens=kv_cache.num_blocks * kv_cache.block_size,
+            num_speculative_tokens=config.speculative_config.num_speculative_tokens if config.speculative_config else 0,
         )
 
     def _stats(self) -> EngineStats:
         scheduler = self.engine.scheduler
         prefix_cache = scheduler.kv_cache.prefix_cache
+        spec = scheduler.spec_stats
         return EngineStats(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
@@ -252,4 +254,8 @@ class EngineLoop:
             num_preemptions_total=scheduler.num_preemptions,
             prefix_cache_queries_total=prefix_cache.queries if prefix_cache else 0,
             prefix_cache_hits_total=prefix_cache.hits if prefix_cache else 0,
+            spec_decode_num_drafts_total=spec.num_drafts,
+            spec_decode_num_draft_tokens_total=spec.num_draft_tokens,
+            spec_decode_num_accepted_tokens_total=spec.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=tuple(spec.accepted_per_pos),
         )

@@ -91,6 +91,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     kv_cache_tokens: int  # the most tokens one request can ever hold in the KV cache
+    num_speculative_tokens: int = 0  # proposals a step verifies per request (0: no speculative decoding)
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,16 @@ class EngineStats:
     num_preemptions_total: int = 0
     prefix_cache_queries_total: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits_total: int = 0  # of which found there
+    # Speculative decoding (core/spec_stats.py): verify rows, proposed tokens checked, of which kept,
+    # and kept by position (the j-th entry counts rows that kept their (j+1)-th proposal).
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:  # (JSON brings the tuple back as a list)
+        object.__setattr__(self, "spec_decode_num_accepted_tokens_per_pos",
+                           tuple(self.spec_decode_num_accepted_tokens_per_pos))
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ class ServerState:
         self.admission = Admission(config.max_pending_requests, config.max_queue_wait_s)
         self.metrics = ServerMetrics(config.served_model_name,
                                      lambda: self.engine.stats if self.engine is not None else EngineStats(),
-                                     lambda: self.engine.num_restarts if self.engine is not None else 0)
+                                     lambda: self.engine.num_restarts if self.engine is not None else 0,
+                                     lambda: self.engine is not None and self.engine.info.num_speculative_tokens > 0)
         self.traces = TraceLog(Path(config.trace_dir)) if config.trace_dir is not None else None
         self.engine: AsyncEngine | None = None
         self.completions: CompletionServing | None = None

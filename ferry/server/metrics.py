@@ -11,6 +11,10 @@ metrics/latency.py for the definitions):
     ferry:e2e_request_latency_seconds    server arrival -> finished, per finished engine request
     ferry:request_queue_time_seconds     engine arrival -> first scheduled (the engine's clock)
 
+With speculative decoding, vLLM's spec_decode counters say how proposals fare (acceptance rate =
+accepted / draft tokens; mean accepted length = 1 + accepted / drafts; by position, how deep the
+proposals stay right).
+
 An engine request is one prompt with its n completions: a completions call with a list of P
 prompts counts P times. Every metric carries a `model_name` label, the served model's name (as
 vLLM's do), so that dashboards built for vLLM select ferry's series too. Every metric lives in this
@@ -39,13 +43,16 @@ _REQUEST_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.
 
 
 class _EngineCollector:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats], restarts: Callable[[], int]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats], restarts: Callable[[], int],
+                 speculative: Callable[[], bool] = lambda: False) -> None:
         self._model_name = model_name
         self._stats = stats
         self._restarts = restarts
+        self._speculative = speculative  # the spec_decode counters exist where the engine speculates
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
+        speculative = self._speculative()
         families = [
             (CounterMetricFamily, "ferry:engine_restarts", "Engine processes started after one died.",
              self._restarts()),
@@ -61,18 +68,35 @@ class _EngineCollector:
             (CounterMetricFamily, "ferry:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
              s.prefix_cache_hits_total),
         ]
+        if speculative:
+            families += [
+                (CounterMetricFamily, "ferry:spec_decode_num_drafts", "Verify rows: a request's proposals checked in "
+                 "one step.", s.spec_decode_num_drafts_total),
+                (CounterMetricFamily, "ferry:spec_decode_num_draft_tokens", "Proposed tokens checked.",
+                 s.spec_decode_num_draft_tokens_total),
+                (CounterMetricFamily, "ferry:spec_decode_num_accepted_tokens", "Proposed tokens kept.",
+                 s.spec_decode_num_accepted_tokens_total),
+            ]
         for family, name, documentation, value in families:
             metric = family(name, documentation, labels=["model_name"])
             metric.add_metric([self._model_name], value)
             yield metric
+        if speculative:
+            per_pos = CounterMetricFamily("ferry:spec_decode_num_accepted_tokens_per_pos",
+                                          "Proposed tokens kept, by their position in the proposal (0: the first).",
+                                          labels=["model_name", "position"])
+            for position, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+                per_pos.add_metric([self._model_name, str(position)], value)
+            yield per_pos
 
 
 class ServerMetrics:
     def __init__(
         self, model_name: str, engine_stats: Callable[[], EngineStats], engine_restarts: Callable[[], int] = lambda: 0,
+        speculative: Callable[[], bool] = lambda: False,
     ) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(model_name, engine_stats, engine_restarts))
+        self.registry.register(_EngineCollector(model_name, engine_stats, engine_restarts, speculative))
 
         def histogram(name: str, documentation: str, buckets: tuple[float, ...]):
             """The series of this server's model (the only one it has)."""
