@@ -107,19 +107,30 @@ step() {  # the time limit in seconds of one step, and its command
       --no-enforce-eager $fa --num-prompts 256 --input-len 100 1024 --output-len 512 --seed 0 --json "$logs/$name.json" ;;
     throughput_nanovllm) echo 150 python3 -m ferry.bench.throughput --config-dir $qwen --dtype bfloat16 --device cuda \
       --no-enforce-eager $fa --num-prompts 256 --input-len 100 1024 --output-len 100 1024 --seed 0 \
-      --json "$logs/$name.json" ;;
+      --phases --json "$logs/$name.json" ;;
     latency_qwen3) echo 150 python3 -m ferry.bench.latency --config-dir $qwen --dtype bfloat16 --device cuda \
       --input-len 512 --output-len 256 --no-enforce-eager $fa --json "$logs/$name.json" ;;
     latency_llama8b) echo 240 python3 -m ferry.bench.latency --config-dir $llama --dtype bfloat16 --device cuda \
       --input-len 512 --output-len 256 --max-model-len 16384 --no-enforce-eager $fa --json "$logs/$name.json" ;;
     prefill_llama8b) echo 90 python3 -m ferry.bench.latency --config-dir $llama --dtype bfloat16 --device cuda \
       --input-len 8192 --output-len 1 --max-model-len 16384 --num-iters-warmup 2 --num-iters 5 \
-      --json "$logs/$name.json" ;;
+      --phases --json "$logs/$name.json" ;;
     verify_llama8b) echo 120 python3 -m ferry.bench.verify_step --config-dir $llama --dtype bfloat16 \
       --batch-sizes 1 8 32 --contexts 512 4096 --no-check ;;
     verify_check_llama8b) echo 120 python3 -m ferry.bench.verify_step --config-dir $llama --dtype float32 \
       --batch-sizes 4 --no-timing --num-kv-blocks 4096 ;;
     multi_token_tests) echo 200 python3 -m pytest -q -x tests/test_multi_token_rows.py ;;
+    # Speculative decoding: the draft's graphs on CUDA, the oracle on Llama-3.1-8B's shape (acceptance
+    # 0.7, k = 4), the bundled model with its draft and with prompt lookup.
+    spec_tests) echo 200 python3 -m pytest -q -x tests/test_speculative.py -k "'graphs or bundled'" ;;
+    spec_llama8b) echo 300 python3 -m ferry.bench.spec_decode --config-dir $llama --dtype bfloat16 --acceptance 0.7 \
+      -k 4 --batch-sizes 1 8 32 128 --input-len 256 --output-len 256 --max-model-len 4096 --phases --json "$logs/$name.json" ;;
+    spec_bundled) echo 150 python3 -m ferry.bench.spec_decode --prompts code --dtype bfloat16 --batch-sizes 1 32 \
+      --output-len 256 --speculative-config "'{\"model\": \"ferry-default-draft\", \"num_speculative_tokens\": 3}'" \
+      --phases --json "$logs/$name.json" ;;
+    spec_bundled_ngram) echo 120 python3 -m ferry.bench.spec_decode --prompts code --dtype bfloat16 --batch-sizes 1 32 \
+      --output-len 256 --speculative-config "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'" \
+      --phases --json "$logs/$name.json" ;;
     fp8_tests) echo 240 python3 -m pytest -q tests/test_fp8_kernels.py tests/test_gemv.py tests/test_triton_kernels.py \
       -k "'fp8 or FP8'" ;;
     # TensorRT-LLM's perf-overview shapes for Llama-3.1-8B (its FP8 figures: 27,911 and 17,744 tok/s).

@@ -523,3 +523,38 @@ def test_a_bad_speculative_config_stops_ferry_serve_with_a_message(capsys):
 
     assert main(["serve", "--speculative-config", '{"method": "medusa", "num_speculative_tokens": 2}']) == 2
     assert "method 'medusa' is not supported" in capsys.readouterr().err
+
+
+# ---- the benchmarks ----
+
+
+def test_the_speculative_benchmark_runs_its_whole_path_on_a_cpu(tmp_path, capsys):
+    """`python -m ferry.bench.spec_decode` (a GPU benchmark) on a random-weight model: the planted
+    continuation makes the oracle's outputs equal plain decoding, and proposals are kept at about
+    the asked rate; with --speculative-config it measures a real proposer."""
+    from ferry.bench import spec_decode
+
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 5000,
+              "max_position_embeddings": 1024, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "result.json"
+    assert spec_decode.main(["--config-dir", str(tmp_path), "--dtype", "bfloat16", "--device", "cpu",
+                             "--batch-sizes", "1", "4", "--input-len", "16", "--output-len", "96",
+                             "--num-kv-blocks", "256", "--phases", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert all(row["equal"] for row in rows)
+    first = sum(row["accepted_per_pos"][0] for row in rows) / sum(row["num_drafts"] for row in rows)
+    assert 0.55 < first < 0.85  # the first proposal of a step is kept with probability 0.7
+    assert "ms per speculative step" in capsys.readouterr().out
+    assert spec_decode.main(["--prompts", "code", "--batch-sizes", "1", "--output-len", "24", "--speculative-config",
+                             '{"method": "ngram", "num_speculative_tokens": 2}']) == 0
+
+
+def test_the_throughput_benchmark_reports_how_proposals_fared(capsys):
+    from ferry.bench import throughput
+
+    assert throughput.main(["--num-prompts", "4", "--input-len", "20", "--output-len", "24", "--device", "cpu",
+                            "--num-warmup-prompts", "0", "--speculative-config",
+                            '{"model": "ferry-default-draft", "num_speculative_tokens": 2}']) == 0
+    assert "speculative (draft_model, k = 2)" in capsys.readouterr().out

@@ -14,13 +14,16 @@ its FLOPs (attention's included) at the matmul peak.
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import sys
 import time
 from dataclasses import dataclass
 
 from ferry.bench.roofline import Hardware, ModelCost, RecordedStep, ScheduleRecorder, percentile, step_bound
-from ferry.bench.throughput import add_model_args, command_line, print_results, random_workload, setup
+from ferry.bench.throughput import (
+    add_model_args, command_line, print_results, random_workload, setup, spec_line, spec_summary,
+)
 
 
 @dataclass
@@ -87,6 +90,8 @@ def run(args: argparse.Namespace) -> dict:
     ids = itertools.count()
     iterations = []
     for i in range(args.num_iters_warmup + args.num_iters):
+        if i == args.num_iters_warmup:
+            spec_before = copy.deepcopy(engine.scheduler.spec_stats)
         prompts, _ = random_workload(args.batch_size, (args.input_len,) * 2, (1, 1), cost.vocab_size, args.seed + i)
         it = run_iteration(engine, prompts, args.output_len, ids)
         if i >= args.num_iters_warmup:
@@ -106,6 +111,7 @@ def run(args: argparse.Namespace) -> dict:
         "decode_s_per_token": ({"p50": percentile(decodes, 50), "p90": percentile(decodes, 90), "all": decodes}
                                if decodes else None),
         **b,
+        "speculative": spec_summary(engine, spec_before),
         "args": {k: v for k, v in vars(args).items() if k != "func"},
     }
 
@@ -133,7 +139,7 @@ def report(r: dict) -> str:
         untied = "" if r["tied_embedding"] else ", less the untied embedding table but the rows it looks up"
         lines.append(f"decode: a step moves at least {r['decode_bytes_per_step'] / 1e9:.3f} GB: "
                      f"the weights ({r['weight_bytes'] / 1e9:.3f} GB{untied}) and the KV cache")
-    return "\n".join(lines)
+    return "\n".join(lines + spec_line(r.get("speculative")))
 
 
 def _row(name: str, measured: dict, bound: float) -> str:

@@ -17,6 +17,7 @@ recomputation after preemption that the scheduler chose are charged to the bound
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import sys
@@ -146,6 +147,7 @@ def run(args: argparse.Namespace) -> dict:
         warm_prompts, _ = random_workload(n, input_len, output_len, cost.vocab_size, args.seed + 1)
         generate(engine, warm_prompts, [min(8, output_len[1])] * n, args.temperature, "warmup-")
     preemptions_before = engine.scheduler.num_preemptions
+    spec_before = copy.deepcopy(engine.scheduler.spec_stats)
     with ScheduleRecorder(engine) as steps:
         start = time.perf_counter()
         generated = generate(engine, prompts, output_lens, args.temperature, "")
@@ -172,8 +174,37 @@ def run(args: argparse.Namespace) -> dict:
         "num_preemptions": engine.scheduler.num_preemptions - preemptions_before,
         "kv_blocks": kv.num_blocks, "block_size": kv.block_size,
         "kv_paging_waste": paging_waste(steps),
+        "speculative": spec_summary(engine, spec_before),
         "args": {k: v for k, v in vars(args).items() if k != "func"},
     }
+
+
+def spec_summary(engine, before) -> dict | None:
+    """How speculative proposals fared since `before` (a copy of the scheduler's SpecDecodingStats);
+    None without speculative decoding."""
+    if engine.config.speculative_config is None:
+        return None
+    now = engine.scheduler.spec_stats
+    drafts, proposed = now.num_drafts - before.num_drafts, now.num_draft_tokens - before.num_draft_tokens
+    accepted = now.num_accepted_tokens - before.num_accepted_tokens
+    per_pos = [a - (before.accepted_per_pos[j] if j < len(before.accepted_per_pos) else 0)
+               for j, a in enumerate(now.accepted_per_pos)]
+    return {"method": engine.config.speculative_config.method,
+            "num_speculative_tokens": engine.config.speculative_config.num_speculative_tokens,
+            "num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+            "acceptance_per_pos": [a / drafts if drafts else 0.0 for a in per_pos]}
+
+
+def spec_line(spec: dict | None) -> list[str]:
+    """The report's line on speculative decoding (none without it)."""
+    if spec is None:
+        return []
+    per_pos = ", ".join(f"{a:.2f}" for a in spec["acceptance_per_pos"])
+    return [f"speculative ({spec['method']}, k = {spec['num_speculative_tokens']}): {spec['num_drafts']:,} verify rows, "
+            f"acceptance {spec['acceptance_rate']:.1%}, mean accepted length {spec['mean_accepted_length']:.2f}, "
+            f"by position {per_pos}"]
 
 
 def report(r: dict) -> str:
@@ -203,6 +234,7 @@ def report(r: dict) -> str:
         f"memory-bound steps; {r['flops']:.3g} FLOPs, {r['bytes'] / 1e9:,.1f} GB moved",
         f"KV cache: {r['kv_blocks']:,} blocks of {r['block_size']} tokens; "
         f"paging waste {r['kv_paging_waste']:.2%} of allocated slots (mean over steps)",
+        *spec_line(r.get("speculative")),
     ]
     if r["output_tokens"] != r["expected_output_tokens"]:
         lines.append(f"warning: {r['output_tokens']:,} output tokens, {r['expected_output_tokens']:,} expected")
