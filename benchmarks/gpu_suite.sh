@@ -124,7 +124,7 @@ step() {  # the time limit in seconds of one step, and its command
     # 0.7, k = 4), the bundled model with its draft and with prompt lookup.
     spec_tests) echo 200 python3 -m pytest -q -x tests/test_speculative.py -k "'graphs or bundled'" ;;
     spec_llama8b) echo 300 python3 -m ferry.bench.spec_decode --config-dir $llama --dtype bfloat16 --acceptance 0.7 \
-      -k 4 --batch-sizes 1 8 32 128 --input-len 256 --output-len 256 --max-model-len 4096 --phases --json "$logs/$name.json" ;;
+      -k 4 --batch-sizes 1 8 32 128 --input-len 256 --output-len 512 --max-model-len 4096 --phases --json "$logs/$name.json" ;;
     spec_bundled) echo 150 python3 -m ferry.bench.spec_decode --prompts code --dtype bfloat16 --batch-sizes 1 32 \
       --output-len 256 --speculative-config "'{\"model\": \"ferry-default-draft\", \"num_speculative_tokens\": 3}'" \
       --phases --json "$logs/$name.json" ;;
