@@ -69,6 +69,17 @@ def generate(engine, prompts: list[list[int]], output_len: int) -> tuple[list[li
     return [final[str(i)] for i in range(len(prompts))], time.perf_counter() - start, steps
 
 
+def generate_all(engine, batches: list[list[list[int]]], output_len: int) -> tuple[list[list[int]], float, int]:
+    """The batches one after another: (every request's tokens, seconds, steps)."""
+    tokens, seconds, steps = [], 0.0, 0
+    for prompts in batches:
+        out, s, n = generate(engine, prompts, output_len)
+        tokens += out
+        seconds += s
+        steps += n
+    return tokens, seconds, steps
+
+
 def run(args: argparse.Namespace) -> dict:
     import torch
 
@@ -99,20 +110,22 @@ def run(args: argparse.Namespace) -> dict:
     for batch in args.batch_sizes:
         runner.proposer = None
         engine = LLMEngine(config, runner, tokenizer)
-        warm_up, prompts = (prompts_for(args, engine, batch, seed) for seed in (batch + 1000, batch))
+        warm_up = prompts_for(args, engine, batch, batch + 1000)
+        batches = [prompts_for(args, engine, batch, batch + 7 * i) for i in range(args.num_batches)]
         plain_warm_up = generate(engine, warm_up, args.output_len)[0]
-        plain, plain_s, plain_steps = generate(engine, prompts, args.output_len)
+        plain, plain_s, plain_steps = generate_all(engine, batches, args.output_len)
         if oracle:
-            reference = {tuple(p): t for p, t in [*zip(warm_up, plain_warm_up), *zip(prompts, plain)]}
+            reference = {tuple(p): t for p, t in [*zip(warm_up, plain_warm_up),
+                                                  *zip((p for b in batches for p in b), plain)]}
             proposer = ReplayProposer(k, reference, vocab_size=config.model.vocab_size,
                                       wrong_rate=1 - args.acceptance, seed=batch)
         runner.proposer = proposer
         generate(LLMEngine(config, runner, tokenizer), warm_up, args.output_len)
         engine = LLMEngine(config, runner, tokenizer)  # counters from zero
         phases = PhaseTimes(engine) if args.phases else None
-        tokens, spec_s, spec_steps = generate(engine, prompts, args.output_len)
+        tokens, spec_s, spec_steps = generate_all(engine, batches, args.output_len)
         stats = engine.scheduler.spec_stats
-        out_tokens = batch * args.output_len
+        out_tokens = batch * args.num_batches * args.output_len
         rows.append({
             "batch": batch, "plain_tok_s": out_tokens / plain_s, "spec_tok_s": out_tokens / spec_s,
             "speedup": plain_s / spec_s, "plain_steps": plain_steps, "spec_steps": spec_steps,
@@ -193,8 +206,8 @@ def _tokenizer(config):
 def report(r: dict) -> str:
     lines = [
         f"{r['architecture']} ({r['model']}), {r['dtype']} on {r['device']}; k = {r['k']}, proposer: {r['proposer']}",
-        f"greedy, output {r['output_len']} tokens a request" + ("" if r["args"]["prompts"] == "code" else
-                                                              f", prompts of {r['input_len']} tokens"),
+        f"greedy, output {r['output_len']} tokens a request, {r['args']['num_batches']} batch(es) of each size"
+        + ("" if r["args"]["prompts"] == "code" else f", prompts of {r['input_len']} tokens"),
         "",
         f"{'batch':>6} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'accepted':>9} {'mean len':>9} "
         f"{'steps':>11} {'equal':>6}",
@@ -223,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
     parser.add_argument("--prompts", choices=("random", "code"), default="random",
                         help="random token ids of --input-len, or code openings (for the bundled model)")
+    parser.add_argument("--num-batches", type=int, default=1,
+                        help="batches of other prompts run one after another at each size (their times added)")
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--dtype", default="auto")
