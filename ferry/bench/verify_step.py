@@ -69,12 +69,11 @@ def check_outputs(runner, config, k: int, num_prompts: int, prompt_len: int, out
     """Single steps, then the same prompts with all-right and half-wrong proposals: equal tokens?"""
     import random
 
+    from ferry.bench.spec_decode import generate as greedy
     from ferry.engine.engine import LLMEngine
-    from ferry.sampling_params import SamplingParams
 
     rng = random.Random(1)
     prompts = [[rng.randrange(MAX_TOKEN_ID) for _ in range(prompt_len)] for _ in range(num_prompts)]
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     graphs = runner.decode_graphs
     replays = {"n": 0}
     forward = graphs.forward
@@ -87,16 +86,8 @@ def check_outputs(runner, config, k: int, num_prompts: int, prompt_len: int, out
 
     def generate(proposer) -> tuple[list[list[int]], int]:
         runner.proposer = proposer
-        engine = LLMEngine(config, runner, tokenizer=None)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
-        final, steps = {}, 0
-        while engine.has_unfinished_requests():
-            steps += 1
-            for out in engine.step():
-                if out.finished:
-                    final[out.request_id] = out.outputs[0].token_ids
-        return [final[str(i)] for i in range(len(prompts))], steps
+        tokens, _, steps = greedy(LLMEngine(config, runner, tokenizer=None), prompts, output_len)
+        return tokens, steps
 
     single, single_steps = generate(None)
     reference = {tuple(p): t for p, t in zip(prompts, single)}
