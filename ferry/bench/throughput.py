@@ -184,17 +184,12 @@ def spec_summary(engine, before) -> dict | None:
     None without speculative decoding."""
     if engine.config.speculative_config is None:
         return None
-    now = engine.scheduler.spec_stats
-    drafts, proposed = now.num_drafts - before.num_drafts, now.num_draft_tokens - before.num_draft_tokens
-    accepted = now.num_accepted_tokens - before.num_accepted_tokens
-    per_pos = [a - (before.accepted_per_pos[j] if j < len(before.accepted_per_pos) else 0)
-               for j, a in enumerate(now.accepted_per_pos)]
+    stats = engine.scheduler.spec_stats.since(before)
     return {"method": engine.config.speculative_config.method,
             "num_speculative_tokens": engine.config.speculative_config.num_speculative_tokens,
-            "num_drafts": drafts, "num_draft_tokens": proposed, "num_accepted_tokens": accepted,
-            "acceptance_rate": accepted / proposed if proposed else 0.0,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
-            "acceptance_per_pos": [a / drafts if drafts else 0.0 for a in per_pos]}
+            "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
+            "num_accepted_tokens": stats.num_accepted_tokens, "acceptance_rate": stats.acceptance_rate,
+            "mean_accepted_length": stats.mean_accepted_length, "acceptance_per_pos": stats.acceptance_by_position}
 
 
 def spec_line(spec: dict | None) -> list[str]:

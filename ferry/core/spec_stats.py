@@ -30,6 +30,18 @@ class SpecDecodingStats:
         for j in range(num_accepted):
             self.accepted_per_pos[j] += 1
 
+    def since(self, before: SpecDecodingStats) -> SpecDecodingStats:
+        """What was counted after `before` (an earlier copy of these counts)."""
+        earlier = before.accepted_per_pos + [0] * (len(self.accepted_per_pos) - len(before.accepted_per_pos))
+        return SpecDecodingStats(self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
+                                 self.num_accepted_tokens - before.num_accepted_tokens,
+                                 [now - then for now, then in zip(self.accepted_per_pos, earlier)])
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """The share of verify rows that kept their (j+1)-th proposal, for each j."""
+        return [a / self.num_drafts if self.num_drafts else 0.0 for a in self.accepted_per_pos]
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

@@ -95,7 +95,6 @@ class Sampler:
         """(R, vocab) -> (R, vocab) float32: the probabilities each row's token is drawn from (after
         the logit bias, penalties, bans, temperature and truncation), normalized. For sampled rows
         (a draft model's guesses are drawn from these, then verified with them)."""
-        _check_generators(rows)
         probs = self._probs(self._adjusted(logits, rows), list(rows))
         return probs / probs.sum(dim=-1, keepdim=True).clamp_min_(torch.finfo(probs.dtype).tiny)
 

@@ -199,8 +199,7 @@ class DraftModelProposer(Proposer):
         holds already is stored again, the same), so that the draft's graphs can run it; a long
         catch-up (a prompt) goes in chunks of the step's token budget."""
         q = max(length - start for start, length in zip(starts, lengths))
-        if self.graphs is not None and q <= 2 and min(lengths) >= q and min(length - start for start, length in
-                                                                           zip(starts, lengths)) >= 1:
+        if self.graphs is not None and q <= 2 and min(lengths) >= q:
             starts = [length - q for length in lengths]
             tokens = [t for r, s, length in zip(requests, starts, lengths) for t in r.token_ids(s, length)]
             inputs = self.graphs.prepare(tokens, starts, [r.block_ids for r in requests], q)

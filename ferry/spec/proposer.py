@@ -21,8 +21,8 @@ output token follows the target's distribution p exactly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ferry.sampling_params import SamplingParams
