@@ -28,10 +28,14 @@ SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=not os.env
                     suppress_health_check=list(HealthCheck), database=None)
 
 
-@pytest.fixture(scope="module")
-def url(tmp_path_factory):
+@pytest.fixture(scope="module", params=["plain", "speculative"])
+def url(request, tmp_path_factory):
+    """The tiny model served plainly, and with itself as its draft (every field through the
+    speculative path too: sampled guesses, rejection, proposals cut by max_tokens and stops)."""
     model = make_tiny_served_model(tmp_path_factory.mktemp("fuzz-model"))
-    server = ServerProcess(model, tmp_path_factory.mktemp("fuzz-logs") / "server.log", "--max-num-seqs", "16")
+    spec = [] if request.param == "plain" else [
+        "--speculative-config", json.dumps({"model": str(model), "num_speculative_tokens": 3})]
+    server = ServerProcess(model, tmp_path_factory.mktemp("fuzz-logs") / "server.log", "--max-num-seqs", "16", *spec)
     try:
         yield server.wait_ready().url
     finally:
@@ -180,7 +184,7 @@ def check(url: str, path: str, body: dict) -> None:
             error = json.loads(raw)["error"]
             assert error["message"] and error["type"] == "invalid_request_error", (error, body)
         elif response.headers["content-type"].startswith("text/event-stream"):
-            events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: ")]
+            events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]  # (SSE lines end at \n)
             assert events[-1] == "[DONE]", (events[-3:], body)
             for event in events[:-1]:
                 assert "error" not in json.loads(event), (event, body)

@@ -505,7 +505,7 @@ def test_a_server_with_the_bundled_draft_answers_as_plain_decoding_and_counts_it
         body = {"model": "ferry-default", "prompt": prompt, **params}
         assert http.post("/v1/completions", json=body).json()["choices"][0]["text"] == expected
         stream = http.post("/v1/completions", json={**body, "stream": True})
-        chunks = [json.loads(line[6:]) for line in stream.text.splitlines() if line.startswith("data: {")]
+        chunks = [json.loads(line[6:]) for line in stream.text.split("\n") if line.startswith("data: {")]
         assert "".join(c["choices"][0]["text"] for c in chunks) == expected
         sampled = http.post("/v1/completions", json={**body, "temperature": 0.8, "seed": 5, "n": 2}).json()
         assert len(sampled["choices"]) == 2 and sampled["usage"]["completion_tokens"] == 80

@@ -50,7 +50,7 @@ async def run(args: argparse.Namespace) -> dict:
                 raw = await response.read()
             outcome = f"HTTP {response.status}"
             if stream and response.status == 200:
-                events = [line[6:] for line in raw.decode().splitlines() if line.startswith("data: {")]
+                events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: {")]  # (not at U+2028)
                 last = json.loads(events[-1]) if events else {}
                 outcome = f"stream error {last['error']['code']}" if "error" in last else "stream ok"
             elif response.status != 200:
