@@ -367,12 +367,12 @@ def _draft_model(model: str, target: ModelConfig) -> ModelConfig:
     return draft
 
 
-ATTENTION_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "sdpa", "triton")
 
 
 def environment_defaults() -> dict[str, Any]:
     """The EngineConfig fields the environment sets, read here once (no kernel reads it):
-    FERRY_ATTENTION_BACKEND=torch|triton and FERRY_PDL=0."""
+    FERRY_ATTENTION_BACKEND=torch|sdpa|triton and FERRY_PDL=0."""
     return {
         "attention_backend": os.environ.get("FERRY_ATTENTION_BACKEND", "").strip().lower() or None,
         "pdl": os.environ.get("FERRY_PDL", "1") != "0",
@@ -411,7 +411,8 @@ class EngineConfig:
     # $FERRY_ATTENTION_BACKEND into it when it is not given.
     attention_backend: str | None = option(
         None, flag=False, choices=ATTENTION_BACKENDS,
-        help="torch (the reference) or triton (default: $FERRY_ATTENTION_BACKEND, else the device's)")
+        help="torch (the reference), sdpa or triton (default: $FERRY_ATTENTION_BACKEND, else the device's: "
+             "triton on CUDA, sdpa elsewhere)")
     # Programmatic dependent launch for the decode path's Triton kernels, where the GPU has it
     # (Hopper and newer). None (auto): on, unless FERRY_PDL=0 (see `create`).
     pdl: bool | None = option(

@@ -280,7 +280,6 @@ def test_padding_rows_are_neither_stored_nor_attended(chunks):
 
 
 def test_selector_defaults_and_override(monkeypatch):
-    assert isinstance(get_attention_backend("cpu"), TorchReferenceBackend)
     assert isinstance(get_attention_backend("cpu", "triton"), TritonAttentionBackend)
     assert isinstance(get_attention_backend("cuda", "torch"), TorchReferenceBackend)
     with pytest.raises(ValueError, match="flash"):

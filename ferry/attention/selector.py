@@ -1,10 +1,10 @@
 """Which attention backend a device gets.
 
-Triton on CUDA devices when Triton imports; the torch reference everywhere else. A name overrides
-the choice (EngineConfig.attention_backend, from FERRY_ATTENTION_BACKEND=torch|triton): `torch` to
-compare against the reference on a GPU, `triton` to run the kernels anyway (on a CPU that needs
-TRITON_INTERPRET=1). Backends are imported only when chosen, so ferry runs where Triton is not
-installed.
+Triton on CUDA devices when Triton imports; torch's scaled_dot_product_attention, planned once a
+step (sdpa_backend.py), everywhere else. A name overrides the choice (EngineConfig.attention_backend,
+from FERRY_ATTENTION_BACKEND=torch|sdpa|triton): `torch` for the reference, one request at a time,
+`triton` to run the kernels anyway (on a CPU that needs TRITON_INTERPRET=1). Backends are imported
+only when chosen, so ferry runs where Triton is not installed.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ def get_attention_backend(device: torch.device | str, name: str | None = None) -
         from ferry.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
+    if name == "sdpa":
+        from ferry.attention.sdpa_backend import SdpaAttentionBackend
+
+        return SdpaAttentionBackend()
     from ferry.attention.torch_ref import TorchReferenceBackend
 
     return TorchReferenceBackend()
@@ -33,4 +37,4 @@ def get_attention_backend(device: torch.device | str, name: str | None = None) -
 def default_backend_name(device: torch.device) -> str:
     if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         return "triton"
-    return "torch"
+    return "sdpa"

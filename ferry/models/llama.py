@@ -39,9 +39,10 @@ class LlamaAttention(nn.Module):
     def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv_proj's output -> q (num_tokens, num_heads, head_dim), k and v (num_tokens, num_kv_heads, head_dim)."""
         q, k, v = self.qkv_proj.split(qkv)
-        q = q.unflatten(-1, (self.num_heads, self.head_dim))  # (num_tokens, num_heads, head_dim)
-        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))  # (num_tokens, num_kv_heads, head_dim)
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))  # (num_tokens, num_kv_heads, head_dim)
+        n = qkv.shape[0]
+        q = q.view(n, self.num_heads, self.head_dim)  # (num_tokens, num_heads, head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)  # (num_tokens, num_kv_heads, head_dim)
         return q, k, v
 
     def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
