@@ -268,7 +268,7 @@ class SchedulerConfig:
 # which ferry takes these; the name of the bundled draft model stands for its folder.
 SPEC_METHODS = ("ngram", "draft_model")
 _SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-              "disable_by_batch_size", "draft_tensor_parallel_size")
+              "disable_by_batch_size", "draft_tensor_parallel_size", "draft_confidence_threshold")
 BUNDLED_DRAFT = "ferry-default-draft"
 MAX_SPECULATIVE_TOKENS = 16
 # Proposals stop above this many running requests unless speculative_config says otherwise: on an
@@ -295,6 +295,12 @@ class SpeculativeConfig:
     # bound by compute rather than by reading the weights, and verifying guesses there costs more
     # than it saves.
     disable_by_batch_size: int | None = None
+    # A draft model stops guessing for a request, short of num_speculative_tokens, after a guess that
+    # had less than this of its probability (0: never; a key of ferry's own, after the assistant
+    # confidence threshold of Hugging Face's assisted generation). A draft's confidence says much of
+    # whether the target keeps the guess, so a step proposes many tokens where they are likely kept
+    # and few where they are not.
+    draft_confidence_threshold: float = 0.0
     # The draft model's config, read from its folder (draft_model only).
     draft: ModelConfig | None = field(default=None, repr=False)
 
@@ -310,6 +316,12 @@ class SpeculativeConfig:
                              f"{self.prompt_lookup_min} and {self.prompt_lookup_max}")
         if self.method == "draft_model" and self.draft is None:
             raise ValueError("speculative_config: the draft_model method needs a 'model' (the draft's folder)")
+        if not 0.0 <= self.draft_confidence_threshold < 1.0:
+            raise ValueError("speculative_config: draft_confidence_threshold must be in [0, 1), got "
+                             f"{self.draft_confidence_threshold}")
+        if self.draft_confidence_threshold and self.method != "draft_model":
+            raise ValueError("speculative_config: draft_confidence_threshold is for a draft model; "
+                             f"method {self.method!r} has no confidence")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"speculative_config: disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
 
@@ -330,10 +342,10 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: ferry does not take {', '.join(map(repr, unknown))} "
                              f"(it takes {', '.join(_SPEC_KEYS)})")
         for key, value in spec.items():
-            wanted = (str,) if key in ("method", "model") else (int,)
+            wanted, what = {"method": ((str,), "a string"), "model": ((str,), "a string"),
+                            "draft_confidence_threshold": ((int, float), "a number")}.get(key, ((int,), "an integer"))
             if value is not None and (not isinstance(value, wanted) or isinstance(value, bool)):
-                raise ValueError(f"speculative_config: {key} must be {'a string' if wanted == (str,) else 'an integer'}, "
-                                 f"got {value!r}")
+                raise ValueError(f"speculative_config: {key} must be {what}, got {value!r}")
         if spec.get("draft_tensor_parallel_size") not in (None, 1):
             raise ValueError("speculative_config: draft_tensor_parallel_size must be 1 (ferry runs on one GPU)")
         if spec.get("num_speculative_tokens") is None:
@@ -347,7 +359,7 @@ class SpeculativeConfig:
         draft = _draft_model(spec["model"], target) if method == "draft_model" and spec.get("model") else None
         disable = spec.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         return cls(method, spec["num_speculative_tokens"], draft.path if draft else None, lookup_max, lookup_min,
-                   disable, draft)
+                   disable, float(spec.get("draft_confidence_threshold") or 0.0), draft)
 
 
 def _draft_model(model: str, target: ModelConfig) -> ModelConfig:
@@ -423,7 +435,8 @@ class EngineConfig:
                    "(prompt lookup; prompt_lookup_max/min) or {\"model\": DIR, \"num_speculative_tokens\": 3} "
                    f"(a draft model of the same vocabulary; {BUNDLED_DRAFT}: the bundled one); "
                    f"disable_by_batch_size: no proposals above that many running requests ({DEFAULT_DISABLE_BY_BATCH_SIZE}; "
-                   "null: never off)")
+                   "null: never off); draft_confidence_threshold: a draft stops guessing after a guess of less "
+                   "probability (0: never)")
 
     def __post_init__(self) -> None:
         sizes = self.cuda_graph_batch_sizes

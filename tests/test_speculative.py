@@ -97,7 +97,8 @@ def test_greedy_outputs_equal_those_without_speculation(tiny, arch, method, k):
     {"model": "ferry-default-draft", "num_speculative_tokens": 1},
     {"model": "ferry-default-draft", "num_speculative_tokens": 3},
     {"model": "ferry-default-draft", "num_speculative_tokens": 5},
-], ids=["ngram3", "draft1", "draft3", "draft5"])
+    {"model": "ferry-default-draft", "num_speculative_tokens": 6, "draft_confidence_threshold": 0.5},
+], ids=["ngram3", "draft1", "draft3", "draft5", "draft6_confident"])
 def test_the_bundled_model_and_its_draft(spec):
     from ferry.assets import default_model_path
     from ferry.tokenizer import Tokenizer
@@ -114,6 +115,9 @@ def test_the_bundled_model_and_its_draft(spec):
     assert engine.scheduler.num_preemptions > 0
     stats = engine.scheduler.spec_stats
     assert stats.num_accepted_tokens > stats.num_draft_tokens * 0.3  # it is a trained draft of this model
+    if spec.get("draft_confidence_threshold"):  # it stopped short where unsure, and went far where sure
+        assert stats.num_draft_tokens < spec["num_speculative_tokens"] * stats.num_drafts
+        assert len(stats.accepted_per_pos) == spec["num_speculative_tokens"]
     assert_all_blocks_free(engine)
 
 
@@ -319,14 +323,17 @@ def _chi_square_p_value(counts: dict, expected: dict[tuple[int, ...], float], n:
 
 
 @pytest.mark.parametrize("top_p", [1.0, 0.9], ids=["temperature1", "top_p0.9"])
-@pytest.mark.parametrize("draft", ["target", "bad_draft", "ngram"])
+@pytest.mark.parametrize("draft", ["target", "bad_draft", "ngram", "confident_bad_draft"])
 def test_sampled_tokens_follow_the_targets_distribution(small_vocab, draft, top_p):
     """6000 samples of four tokens with speculation (up to two proposals verified after the first
     token): the joint distribution of the first three tokens, and the fourth's, match the exact
-    ones (p > 0.01), whether the guesses are always kept, mostly replaced, or plain tokens."""
+    ones (p > 0.01), whether the guesses are always kept, mostly replaced, plain tokens, or as many
+    as the draft was sure of."""
     prompt, n = [1, 5, 3], 6000
     spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1} if draft == "ngram"
-            else {"model": str(small_vocab[draft]), "num_speculative_tokens": 3})
+            else {"model": str(small_vocab[draft.removeprefix("confident_")]), "num_speculative_tokens": 3})
+    if draft.startswith("confident_"):
+        spec["draft_confidence_threshold"] = 0.2
     spec["disable_by_batch_size"] = None  # (batches of 256: on, whatever the default)
     engine = _engine(small_vocab["target"], spec, num_kv_blocks=4096, max_num_seqs=256, max_num_batched_tokens=1024,
                      seed=17)
@@ -336,6 +343,8 @@ def test_sampled_tokens_follow_the_targets_distribution(small_vocab, draft, top_
     assert stats.num_drafts > n / 3  # samples went through verification
     if draft == "bad_draft":
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    if draft.startswith("confident_"):  # some proposals stopped short
+        assert stats.num_draft_tokens < 3 * stats.num_drafts
     joint = _exact_distribution(small_vocab["target"], prompt, 3, top_p)
     counts = {}
     for s in samples:
@@ -443,6 +452,10 @@ def test_prompt_lookup_indexes_only_new_tokens():
     ({"num_speculative_tokens": 3}, "give a method"),
     ({"method": "ngram", "num_speculative_tokens": "3"}, "must be an integer"),
     ({"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}, "must be 1"),
+    ({"model": "ferry-default-draft", "num_speculative_tokens": 3, "draft_confidence_threshold": 1.5}, r"\[0, 1\)"),
+    ({"model": "ferry-default-draft", "num_speculative_tokens": 3, "draft_confidence_threshold": "0.5"},
+     "must be a number"),
+    ({"method": "ngram", "num_speculative_tokens": 3, "draft_confidence_threshold": 0.5}, "has no confidence"),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be an object"),
 ])

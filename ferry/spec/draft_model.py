@@ -41,7 +41,7 @@ import torch
 
 from ferry.attention.backend import AttentionBackend, ForwardContext
 from ferry.config import CacheConfig, EngineConfig, ModelConfig
-from ferry.executor.inputs import flat_batch
+from ferry.executor.inputs import flat_batch, one_token_batch
 from ferry.sample import Sampler, SamplingRow
 from ferry.sample.metadata import position_seed, request_generator
 from ferry.sample.sampler import inverse_cdf
@@ -82,6 +82,7 @@ class DraftModelProposer(Proposer):
         self.kv_caches: list[torch.Tensor] = []
         self.backend: AttentionBackend | None = None
         self.graphs = None  # a DecodeGraphRunner of the draft, for one- and two-token rows
+        self.confidence_threshold = spec.draft_confidence_threshold
 
     @classmethod
     def load(cls, config: EngineConfig) -> DraftModelProposer:
@@ -163,10 +164,13 @@ class DraftModelProposer(Proposer):
                 # A row whose slots are used up stores nothing, at a position it holds; its guess is dropped.
                 positions = [length + j - 1 if count > j else length - 1 for length, count in zip(lengths, counts)]
                 hidden = self._feed(requests, guesses[-1], positions, [count > j for count in counts])
-            tokens, q = self._choose(self.model.compute_logits(hidden), rows, sampled, lengths, j)
+            logits = self.model.compute_logits(hidden)
+            tokens, q = self._choose(logits, rows, sampled, lengths, j)
             guesses.append(tokens)
             probs.append(q)
-        proposals = torch.stack(guesses, dim=1).tolist()  # (n, k): the one wait for the device
+            if self.confidence_threshold and j + 1 < k and not self._go_on(logits, tokens, q, sampled, counts, j):
+                break
+        proposals = torch.stack(guesses, dim=1).tolist()  # (n, k' <= k): the one wait for the device (or the last)
         for i, request in enumerate(requests):
             proposals[i] = proposals[i][:counts[i]]
             request.memo.fed_start, request.memo.fed = lengths[i], proposals[i][:-1]
@@ -175,6 +179,19 @@ class DraftModelProposer(Proposer):
             for s, i in enumerate(sampled):
                 requests[i].draft_probs = q_all[s, :len(proposals[i])]
         return proposals
+
+    def _go_on(self, logits: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | None, sampled: list[int],
+               counts: list[int], j: int) -> bool:
+        """After guess j: a request whose guess had less than confidence_threshold of the draft's
+        probability gets no more (counts[i] lowered to j + 1, in place); whether any goes on."""
+        confidence = logits.softmax(dim=-1).gather(1, tokens[:, None])[:, 0]
+        if sampled:
+            index = to_device(sampled, torch.int64, self.device)
+            confidence[index] = q.gather(1, tokens[index][:, None])[:, 0]
+        for i, sure in enumerate((confidence >= self.confidence_threshold).tolist()):
+            if not sure:
+                counts[i] = min(counts[i], j + 1)
+        return any(count > j + 1 for count in counts)
 
     def _computed(self, request: SpecRequest, length: int, newest_known: bool = True) -> int:
         """How many of the request's first `length` tokens the draft's cache holds, the guesses it
@@ -242,8 +259,7 @@ class DraftModelProposer(Proposer):
                 if not all(store):
                     inputs.attn_metadata.slot_mapping[:n].masked_fill_(_mask(store, self.device), -1)
                 return self.graphs.forward(inputs)[:n]
-        positions_t, metadata, _ = flat_batch(
-            np.ones(n, np.int64), np.asarray(positions, np.int64), tables, self.block_size, self.device)
+        positions_t, metadata = one_token_batch(positions, tables, self.block_size, self.device)
         if not all(store):
             metadata.slot_mapping.masked_fill_(_mask(store, self.device), -1)
         return self._forward(tokens, positions_t, metadata)
