@@ -1,5 +1,5 @@
 """What speculative decoding gains: the same greedy batch decoded plainly and with proposals, side
-by side on one engine, at each batch size asked.
+by side on one model runner, at each batch size asked.
 
     python -m ferry.bench.spec_decode --config-dir benchmarks/llama-3.1-8b --dtype bfloat16 \
         --acceptance 0.7 -k 4 --batch-sizes 1 8 32 128
@@ -21,8 +21,10 @@ fixed permutation, by a wide margin) and the layers' outputs are scaled down so 
 blur it: the same shapes and kernels, hence the same time, and outputs that repeat exactly.
 
 Each batch runs `--batch-size` requests to exactly `--output-len` tokens (greedy, EOS ignored), after
-one warm-up run; the time runs from adding them to the last token, prefill included. The outputs with
-speculation must equal the plain ones (greedy), which the table says.
+one warm-up run; the time runs from adding them to the last token, prefill included. Each batch runs
+plainly and then with proposals before the next batch does (`--num-batches`), each run on a fresh
+engine, so that both see the machine as it is at the time. The outputs with speculation must equal
+the plain ones (greedy), which the table says.
 """
 
 from __future__ import annotations
@@ -69,21 +71,11 @@ def generate(engine, prompts: list[list[int]], output_len: int) -> tuple[list[li
     return [final[str(i)] for i in range(len(prompts))], time.perf_counter() - start, steps
 
 
-def generate_all(engine, batches: list[list[list[int]]], output_len: int) -> tuple[list[list[int]], float, int]:
-    """The batches one after another: (every request's tokens, seconds, steps)."""
-    tokens, seconds, steps = [], 0.0, 0
-    for prompts in batches:
-        out, s, n = generate(engine, prompts, output_len)
-        tokens += out
-        seconds += s
-        steps += n
-    return tokens, seconds, steps
-
-
 def run(args: argparse.Namespace) -> dict:
     import torch
 
     from ferry.config import EngineConfig
+    from ferry.core.spec_stats import SpecDecodingStats
     from ferry.engine.engine import LLMEngine
     from ferry.executor.model_runner import build_model_runner
     from ferry.spec.replay import ReplayProposer
@@ -106,34 +98,50 @@ def run(args: argparse.Namespace) -> dict:
         plant_greedy_chain(runner.model)
     proposer, k = runner.proposer, runner.proposer.num_speculative_tokens
     tokenizer = _tokenizer(config)
+    phases = PhaseTimes(runner) if args.phases else None
+
+    def engine_for(proposer_now):
+        runner.proposer = proposer_now  # (the engine's scheduler sizes its lookahead from it)
+        return LLMEngine(config, runner, tokenizer)
+
     rows = []
     for batch in args.batch_sizes:
-        runner.proposer = None
-        engine = LLMEngine(config, runner, tokenizer)
+        engine = engine_for(None)
         warm_up = prompts_for(args, engine, batch, batch + 1000)
         batches = [prompts_for(args, engine, batch, batch + 7 * i) for i in range(args.num_batches)]
-        plain_warm_up = generate(engine, warm_up, args.output_len)[0]
-        plain, plain_s, plain_steps = generate_all(engine, batches, args.output_len)
-        if oracle:
-            reference = {tuple(p): t for p, t in [*zip(warm_up, plain_warm_up),
-                                                  *zip((p for b in batches for p in b), plain)]}
+        if oracle:  # it replays what the plain pass of the same prompts just produced
+            reference: dict[tuple[int, ...], list[int]] = {}
             proposer = ReplayProposer(k, reference, vocab_size=config.model.vocab_size,
                                       wrong_rate=1 - args.acceptance, seed=batch)
-        runner.proposer = proposer
-        generate(LLMEngine(config, runner, tokenizer), warm_up, args.output_len)
-        engine = LLMEngine(config, runner, tokenizer)  # counters from zero
-        phases = PhaseTimes(engine) if args.phases else None
-        tokens, spec_s, spec_steps = generate_all(engine, batches, args.output_len)
-        stats = engine.scheduler.spec_stats
+        totals = {"plain": [[], 0.0, 0], "spec": [[], 0.0, 0]}
+        stats = SpecDecodingStats()
+        # Plain and speculative in turn, batch by batch, each batch on fresh engines (no prefix
+        # cache carried over), so that a machine whose speed drifts during the run drifts for both.
+        for i, prompts in enumerate([warm_up, *batches]):
+            for mode in ("plain", "spec"):
+                engine = engine_for(proposer if mode == "spec" else None)
+                if phases is not None:
+                    phases.attach(engine, on=mode == "spec" and i > 0)
+                tokens, seconds, steps = generate(engine, prompts, args.output_len)
+                if oracle and mode == "plain":
+                    reference.update(zip(map(tuple, prompts), tokens))
+                if i > 0:  # (the first is the warm-up)
+                    totals[mode][0] += tokens
+                    totals[mode][1] += seconds
+                    totals[mode][2] += steps
+                    if mode == "spec":
+                        stats = stats + engine.scheduler.spec_stats
+        (plain, plain_s, plain_steps), (spec, spec_s, spec_steps) = totals["plain"], totals["spec"]
         out_tokens = batch * args.num_batches * args.output_len
         rows.append({
             "batch": batch, "plain_tok_s": out_tokens / plain_s, "spec_tok_s": out_tokens / spec_s,
             "speedup": plain_s / spec_s, "plain_steps": plain_steps, "spec_steps": spec_steps,
             "acceptance_rate": stats.acceptance_rate, "mean_accepted_length": stats.mean_accepted_length,
             "accepted_per_pos": list(stats.accepted_per_pos), "num_drafts": stats.num_drafts,
-            "equal": tokens == plain,
-            "phases_ms_per_step": phases.per_step() if phases else None,
+            "equal": spec == plain,
+            "phases_ms_per_step": phases.take() if phases else None,
         })
+    runner.proposer = proposer
     return {
         "model": str(model), "architecture": config.model.architecture, "dtype": config.model.dtype,
         "device": device, "k": k,
@@ -146,15 +154,25 @@ def run(args: argparse.Namespace) -> dict:
 class PhaseTimes:
     """Where a speculative step's wall time goes, on the host's clock: the engine's calls into the
     scheduler, the executor (launch; collect, which waits for the device, then proposes) and the
-    output processor, timed by wrapping them on this engine's objects."""
+    output processor, timed by wrapping them: the runner's once, each engine's when attached, and
+    counted only while the attached engine is a speculative one being measured."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, runner) -> None:
         self.totals: dict[str, float] = {}
         self.steps = 0
+        self.on = False
+        self.wrapped: set[int] = set()
+        for owner, name, label in ((runner, "launch", "launch"),
+                                   (runner, "collect", "collect (wait, sample, propose)")):
+            self._wrap(owner, name, label)
+
+    def attach(self, engine, on: bool) -> None:
+        self.on = on
+        proposer = engine.executor.proposer
+        if proposer is not None and id(proposer) not in self.wrapped:  # (each proposer once)
+            self.wrapped.add(id(proposer))
+            self._wrap(proposer, "propose", "  of which propose")
         for owner, name, label in ((engine.scheduler, "schedule", "schedule"),
-                                   (engine.executor, "launch", "launch"),
-                                   (engine.executor, "collect", "collect (wait, sample, propose)"),
-                                   (engine.executor.proposer, "propose", "  of which propose"),
                                    (engine.scheduler, "update_from_output", "update"),
                                    (engine.output_processor, "process", "outputs")):
             self._wrap(owner, name, label)
@@ -167,13 +185,17 @@ class PhaseTimes:
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - start
-                self.steps += name == "launch"
+                if self.on:
+                    self.totals[label] = self.totals.get(label, 0.0) + time.perf_counter() - start
+                    self.steps += name == "launch"
 
         setattr(owner, name, timed)
 
-    def per_step(self) -> dict[str, float]:
-        return {label: total * 1e3 / max(self.steps, 1) for label, total in self.totals.items()}
+    def take(self) -> dict[str, float]:
+        """Milliseconds per step of each phase since the last take."""
+        per_step = {label: total * 1e3 / max(self.steps, 1) for label, total in self.totals.items()}
+        self.totals, self.steps = {}, 0
+        return per_step
 
 
 def plant_greedy_chain(model, seed: int = 0) -> None:

@@ -30,6 +30,14 @@ class SpecDecodingStats:
         for j in range(num_accepted):
             self.accepted_per_pos[j] += 1
 
+    def __add__(self, other: SpecDecodingStats) -> SpecDecodingStats:
+        """The counts of both."""
+        n = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
+        mine, theirs = (c.accepted_per_pos + [0] * (n - len(c.accepted_per_pos)) for c in (self, other))
+        return SpecDecodingStats(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
+                                 self.num_accepted_tokens + other.num_accepted_tokens,
+                                 [a + b for a, b in zip(mine, theirs)])
+
     def since(self, before: SpecDecodingStats) -> SpecDecodingStats:
         """What was counted after `before` (an earlier copy of these counts)."""
         earlier = before.accepted_per_pos + [0] * (len(self.accepted_per_pos) - len(before.accepted_per_pos))
