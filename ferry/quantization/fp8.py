@@ -32,13 +32,22 @@ from ferry.quantization.e4m3 import FP8, FP8_MAX, MIN_SCALE
 logger = logging.getLogger(__name__)
 
 
-
 # ---- quantizing and dequantizing ----
+
+
+def scale_of(amax: torch.Tensor) -> torch.Tensor:
+    """The float32 scale of values whose largest magnitude is amax: max(amax, MIN_SCALE) / 448,
+    divided as IEEE divides, as the kernels do (fp8_quant.py). (On CUDA torch turns a division by a
+    Python number into a multiplication by its reciprocal, which may differ in the last bit; and a
+    bfloat16 input's quotient often falls exactly halfway between two e4m3 numbers, where that bit
+    decides the rounding.)"""
+    amax = amax.float().clamp(min=MIN_SCALE)
+    return amax / torch.full_like(amax, FP8_MAX)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(N, K) -> (N, K) float8 and (N,) float32 scales, one per row."""
-    scale = weight.abs().amax(dim=1).float().clamp(min=MIN_SCALE) / FP8_MAX
+    scale = scale_of(weight.abs().amax(dim=1))
     return _to_fp8(weight.float() / scale[:, None]), scale
 
 
@@ -46,7 +55,7 @@ def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch
     """(N, K) -> (N, K) float8 and (ceil(N / bn), ceil(K / bk)) float32 scales, one per block (the
     blocks at the edges may be smaller)."""
     blocks = _blocked(weight.float(), block)  # (N/bn, bn, K/bk, bk), padded with zeros
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=MIN_SCALE) / FP8_MAX
+    scale = scale_of(blocks.abs().amax(dim=(1, 3)))
     q = blocks / scale[:, None, :, None]
     n, k = weight.shape
     return _to_fp8(q.flatten(0, 1).flatten(1, 2)[:n, :k]), scale
@@ -69,11 +78,11 @@ def quantize_activations(
         scale = static_scale.float().reshape(1, 1).clamp(min=MIN_SCALE)
         return _to_fp8(x.float() / scale), scale
     if group is None:
-        scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=MIN_SCALE) / FP8_MAX
+        scale = scale_of(x.abs().amax(dim=1, keepdim=True))
         return _to_fp8(x.float() / scale), scale
     m, k = x.shape
     groups = F.pad(x.float(), (0, -k % group)).unflatten(1, (-1, group))  # (M, K/group, group)
-    scale = groups.abs().amax(dim=2).clamp(min=MIN_SCALE) / FP8_MAX
+    scale = scale_of(groups.abs().amax(dim=2))
     return _to_fp8((groups / scale[:, :, None]).flatten(1)[:, :k]), scale
 
 
