@@ -128,6 +128,9 @@ step() {  # the time limit in seconds of one step, and its command
     spec_bundled) echo 150 python3 -m ferry.bench.spec_decode --prompts code --dtype bfloat16 --batch-sizes 1 32 \
       --output-len 256 --speculative-config "'{\"model\": \"ferry-default-draft\", \"num_speculative_tokens\": 3}'" \
       --phases --json "$logs/$name.json" ;;
+    spec_bundled_confident) echo 150 python3 -m ferry.bench.spec_decode --prompts code --dtype bfloat16 --batch-sizes 1 32 \
+      --output-len 256 --speculative-config "'{\"model\": \"ferry-default-draft\", \"num_speculative_tokens\": 8, \"draft_confidence_threshold\": 0.6}'" \
+      --phases --json "$logs/$name.json" ;;
     spec_bundled_ngram) echo 120 python3 -m ferry.bench.spec_decode --prompts code --dtype bfloat16 --batch-sizes 1 32 \
       --output-len 256 --speculative-config "'{\"method\": \"ngram\", \"num_speculative_tokens\": 3}'" \
       --phases --json "$logs/$name.json" ;;
