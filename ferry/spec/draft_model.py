@@ -19,6 +19,11 @@ one token each feed d0 .. d(k-2) at positions L .. L+k-2 and sample d1 .. d(k-1)
 The K/V of a guess stay valid when the target keeps it, since the K/V at a position depend only on
 the tokens up to it; the next step finds how many it kept by comparing its tokens with the guesses.
 
+With speculative_config's draft_confidence_threshold, a request's guesses end after one that had
+less than that probability under the distribution it came from (the softmax of the draft's logits
+for an argmax), and the forwards end once no request goes on; the target's verification is the same
+whatever the length.
+
 Greedy requests get the draft's argmax (plain guesses). Sampled requests get guesses drawn from the
 draft's distribution q under their own temperature, top-k, top-p and min-p (and penalties, counted
 over the tokens known when proposing), and q goes with them to the verification, whose rejection
