@@ -55,7 +55,7 @@ class SdpaAttentionBackend(AttentionBackend):
         _store(k, v, kv_cache, plan, kv_scales)
         if plan.decode_blocks is not None:
             num_reqs = len(metadata.seq_lens_cpu)
-            kv = _gather(kv_cache, plan.decode_blocks, kv_scales, q.dtype)  # (2, num_reqs * width, kv_heads, dim)
+            kv = _gather(kv_cache, plan.decode_blocks, kv_scales)  # (2, num_reqs * width, kv_heads, dim)
             kv = kv.view(2, num_reqs, -1, *kv.shape[2:])[:, :, :plan.decode_len]  # (2, num_reqs, len, kv_heads, dim)
             out = _attention(q[:num_reqs].unsqueeze(2), kv[0], kv[1], plan.decode_mask, scale).squeeze(2)
             if num_reqs < q.shape[0]:  # rows past the last request (padding) are zero
@@ -75,7 +75,7 @@ class SdpaAttentionBackend(AttentionBackend):
         scale: float, kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         """One request's queries (q_len, heads, head_dim), the last q_len of its seq_len tokens."""
-        keys, values = _gather(kv_cache, blocks, kv_scales, q.dtype)[:, None, :seq_len]  # each (1, len, kv_heads, dim)
+        keys, values = _gather(kv_cache, blocks, kv_scales)[:, None, :seq_len]  # each (1, len, kv_heads, dim)
         return _attention(q.transpose(0, 1)[None], keys, values, mask, scale)[0].transpose(0, 1)
 
     def _plan(self, metadata: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
@@ -134,14 +134,13 @@ def _make_plan(metadata: AttentionMetadata, block_size: int, device: torch.devic
 
 def _gather(
     kv_cache: torch.Tensor, blocks: torch.Tensor, kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
-    dtype: torch.dtype,
 ) -> torch.Tensor:
     """The K and V of `blocks`, side by side: (2, len(blocks) * block_size, num_kv_heads, head_dim),
-    from an FP8 cache scaled back to `dtype`."""
+    from an FP8 cache scaled back in float32 (as the reference reads it, whatever the query's dtype)."""
     kv = kv_cache.index_select(1, blocks).flatten(1, 2)
     if is_fp8(kv_cache.dtype):
         scales = torch.stack(kv_scales).float()[:, None, :, None]  # (2, 1, num_kv_heads, 1)
-        kv = (kv.float() * scales).to(dtype)
+        kv = kv.float() * scales
     return kv
 
 
@@ -152,7 +151,9 @@ def _attention(
     (batch, heads, q_len, head_dim), in q's dtype (16-bit inputs accumulate in float32)."""
     dtype = q.dtype
     if dtype != torch.float32:
-        q, keys, values = q.float(), keys.float(), values.float()
+        q = q.float()
+    if keys.dtype != torch.float32:
+        keys, values = keys.float(), values.float()
     out = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
                                          scale=scale, enable_gqa=True)
     return out if dtype == torch.float32 else out.to(dtype)

@@ -161,7 +161,7 @@ class PhaseTimes:
         self.totals: dict[str, float] = {}
         self.steps = 0
         self.on = False
-        self.wrapped: set[int] = set()
+        self.wrapped: list = []  # the proposers whose propose is wrapped (kept alive: compared by identity)
         for owner, name, label in ((runner, "launch", "launch"),
                                    (runner, "collect", "collect (wait, sample, propose)")):
             self._wrap(owner, name, label)
@@ -169,8 +169,8 @@ class PhaseTimes:
     def attach(self, engine, on: bool) -> None:
         self.on = on
         proposer = engine.executor.proposer
-        if proposer is not None and id(proposer) not in self.wrapped:  # (each proposer once)
-            self.wrapped.add(id(proposer))
+        if proposer is not None and not any(p is proposer for p in self.wrapped):  # (each proposer once)
+            self.wrapped.append(proposer)
             self._wrap(proposer, "propose", "  of which propose")
         for owner, name, label in ((engine.scheduler, "schedule", "schedule"),
                                    (engine.scheduler, "update_from_output", "update"),

@@ -126,6 +126,7 @@ def _joint_view(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     num_tokens, num_heads, head_dim = q.shape
     if (k.shape[0] != num_tokens or k.shape[2] != head_dim or q.stride()[1:] != (head_dim, 1)
             or k.stride()[1:] != (head_dim, 1) or (num_tokens > 1 and k.stride(0) != q.stride(0)) or k.dtype != q.dtype
-            or k.data_ptr() != q.data_ptr() + num_heads * head_dim * q.element_size()):
+            or k.data_ptr() != q.data_ptr() + num_heads * head_dim * q.element_size()
+            or k.untyped_storage().data_ptr() != q.untyped_storage().data_ptr()):
         return None
     return q.as_strided((num_tokens, num_heads + k.shape[1], head_dim), q.stride())

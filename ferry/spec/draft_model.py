@@ -175,7 +175,8 @@ class DraftModelProposer(Proposer):
             probs.append(q)
             if self.confidence_threshold and j + 1 < k and not self._go_on(logits, tokens, q, sampled, counts, j):
                 break
-        proposals = torch.stack(guesses, dim=1).tolist()  # (n, k' <= k): the one wait for the device (or the last)
+        # (n, k' <= k): the one wait for the device, unless the threshold waited for each guess's confidence
+        proposals = torch.stack(guesses, dim=1).tolist()
         for i, request in enumerate(requests):
             proposals[i] = proposals[i][:counts[i]]
             request.memo.fed_start, request.memo.fed = lengths[i], proposals[i][:-1]
