@@ -256,10 +256,18 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = option(
         None, help="tokens per step (default: 2048 on a CPU; max(8192, min(max_model_len, 16384)) on a GPU)")
     max_model_len: int = 4096  # the model's, copied here
+    # Admission keeps KV blocks free for the decodes already admitted (core/scheduler.py): a share
+    # of every running request's output still to come, which starts here, falls while nothing is
+    # preempted and comes back here at a preemption. 0: admit whatever fits now.
+    decode_reserve: float = option(
+        0.7, help="share of running requests' remaining output tokens that admission keeps KV blocks free for "
+                  "(it decays to a tenth while nothing is preempted; 0: off)")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0.0 <= self.decode_reserve <= 1.0:
+            raise ValueError(f"decode_reserve must be in [0, 1], got {self.decode_reserve}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 

@@ -58,6 +58,7 @@ def fake_engine_config(
     eos_token_ids: tuple[int, ...] = (),
     enable_prefix_caching: bool = True,
     async_scheduling: bool = False,
+    decode_reserve: float = 0.7,
 ) -> EngineConfig:
     model = ModelConfig(
         path=None, hf_config={"vocab_size": VOCAB, "architectures": ["Fake"]}, dtype="float32",
@@ -66,7 +67,7 @@ def fake_engine_config(
     return EngineConfig(
         model=model,
         cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len),
+        scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, decode_reserve),
         async_scheduling=async_scheduling,
     )
 

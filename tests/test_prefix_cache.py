@@ -58,7 +58,8 @@ def shared_prefix_prompts(seed=0):
 def test_outputs_equal_with_caching_on_and_off(model_path, block_size, preempt):
     prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts()]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    extra = dict(num_kv_blocks=-(-80 // block_size), max_num_batched_tokens=64) if preempt else {}
+    # (admission without a reserve, so that the pool runs dry)
+    extra = dict(num_kv_blocks=-(-80 // block_size), max_num_batched_tokens=64, decode_reserve=0) if preempt else {}
     results = {}
     for caching in (False, True):
         llm = LLM(model=model_path, dtype="float32", block_size=block_size, enable_prefix_caching=caching, **extra)

@@ -76,7 +76,7 @@ def test_greedy_outputs_equal_those_without_speculation(tiny, arch, method, k):
     shared prefixes (prefix caching): whatever is proposed, the greedy tokens are those of plain
     decoding, and every block is free at the end."""
     prompts = _prompts(seed=ARCHS.index(arch))
-    options = dict(num_kv_blocks=24)
+    options = dict(num_kv_blocks=24, decode_reserve=0)  # (no admission reserve: the pool runs dry)
     reference = _greedy(_engine(tiny[arch], **options), prompts)
     engine = _engine(tiny[arch], _spec(method, k, tiny, arch), **options)
     assert _greedy(engine, prompts) == reference
@@ -108,7 +108,7 @@ def test_the_bundled_model_and_its_draft(spec):
     texts = ["def fibonacci(n):", "import os\n\ndef walk(path):", "class Stack:\n    def __init__(self):",
              "def read_lines(filename):\n    with open(filename) as f:"]
     prompts = [tokenizer.encode(t) for t in texts] + [tokenizer.encode(texts[1] + "\n    for root in path:")]
-    options = dict(num_kv_blocks=22, block_size=8, max_num_batched_tokens=24)
+    options = dict(num_kv_blocks=22, block_size=8, max_num_batched_tokens=24, decode_reserve=0)
     reference = _greedy(_engine(path, **options), prompts, max_tokens=40)
     engine = _engine(path, spec, **options)
     assert _greedy(engine, prompts, max_tokens=40) == reference
@@ -166,7 +166,7 @@ def test_speculation_runs_on_the_decode_graphs(device, method):
 
 def test_aborts_and_n_sequences_leave_no_block_behind(tiny):
     engine = _engine(tiny["qwen3"], {"model": str(tiny["bad_draft"]), "num_speculative_tokens": 3},
-                     num_kv_blocks=30)
+                     num_kv_blocks=30, decode_reserve=0)
     prompts = _prompts(seed=4)
     params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True, n=2, seed=3)] * 3

@@ -53,7 +53,7 @@ PROMPTS = [f"Case {i}. {PREAMBLE}{p}"  # each its own prefix: the cache cannot m
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_batched_tokens=64, num_kv_blocks=20, block_size=16)  # chunks and preemptions
+    return LLM(max_num_batched_tokens=64, num_kv_blocks=20, block_size=16, decode_reserve=0)  # chunks and preemptions
 
 
 def _generate(llm, prompts, params):

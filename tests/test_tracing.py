@@ -118,7 +118,8 @@ def assert_track_is_consistent(trace: RequestTrace, prompt_len: int) -> None:
 def test_a_trace_with_forced_preemption_shows_each_preemption(async_scheduling):
     # As in test_scheduler's preemption test: 8 requests growing to ~40 tokens in 96 token slots,
     # with chunked prefill (16 tokens a step).
-    engine = fake_engine(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, async_scheduling=async_scheduling)
+    engine = fake_engine(block_size=4, num_kv_blocks=24, max_num_batched_tokens=16, async_scheduling=async_scheduling,
+                         decode_reserve=0)  # (admission without a reserve: the pool runs dry)
     prompts = random_prompts(8, 10, 20, seed=2)
     traces = traced_run(engine, prompts, SamplingParams(max_tokens=25))
 

@@ -147,6 +147,7 @@ def run(args: argparse.Namespace) -> dict:
         warm_prompts, _ = random_workload(n, input_len, output_len, cost.vocab_size, args.seed + 1)
         generate(engine, warm_prompts, [min(8, output_len[1])] * n, args.temperature, "warmup-")
     preemptions_before = engine.scheduler.num_preemptions
+    recomputed_before = engine.scheduler.num_recomputed_tokens
     spec_before = copy.deepcopy(engine.scheduler.spec_stats)
     with ScheduleRecorder(engine) as steps:
         start = time.perf_counter()
@@ -172,6 +173,10 @@ def run(args: argparse.Namespace) -> dict:
         "num_steps": len(steps),
         "num_prefill_steps": sum(any(q > 1 for q, _ in s.step) for s in steps),
         "num_preemptions": engine.scheduler.num_preemptions - preemptions_before,
+        # Computed tokens that preemptions threw away, to be computed again: against the tokens the
+        # workload itself computes (prompts and outputs).
+        "recomputed_tokens": engine.scheduler.num_recomputed_tokens - recomputed_before,
+        "recomputed_fraction": (engine.scheduler.num_recomputed_tokens - recomputed_before) / max(input_tokens + generated, 1),
         "kv_blocks": kv.num_blocks, "block_size": kv.block_size,
         "kv_paging_waste": paging_waste(steps),
         "speculative": spec_summary(engine, spec_before),
@@ -224,7 +229,8 @@ def report(r: dict) -> str:
         f"{'achieved':>15} {r['achieved_fraction']:>12.1%} of the roofline bound",
         "",
         f"steps: {r['num_steps']:,} ({r['num_prefill_steps']:,} with prefill chunks), "
-        f"preemptions: {r['num_preemptions']}",
+        f"preemptions: {r['num_preemptions']}, recomputed tokens: {r['recomputed_tokens']:,} "
+        f"({r['recomputed_fraction']:.2%} of the workload's)",
         f"bound: {r['bound_compute_s']:.3f} s in compute-bound steps + {r['bound_memory_s']:.3f} s in "
         f"memory-bound steps; {r['flops']:.3g} FLOPs, {r['bytes'] / 1e9:,.1f} GB moved",
         f"KV cache: {r['kv_blocks']:,} blocks of {r['block_size']} tokens; "
