@@ -58,7 +58,7 @@ def fake_engine_config(
     eos_token_ids: tuple[int, ...] = (),
     enable_prefix_caching: bool = True,
     async_scheduling: bool = False,
-    decode_reserve: float = 0.7,
+    decode_reserve: float = SchedulerConfig.decode_reserve,
 ) -> EngineConfig:
     model = ModelConfig(
         path=None, hf_config={"vocab_size": VOCAB, "architectures": ["Fake"]}, dtype="float32",

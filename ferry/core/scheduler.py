@@ -234,13 +234,17 @@ class Scheduler:
         self, budget: int, scheduled: list[ScheduledRequest], copy_blocks: list[tuple[int, int]],
         sampling: list[tuple[Request, int]],
     ) -> int:
-        reserved = sum(self._reserved_blocks(r) for r in self.running) if self.reserve_share else 0.0
+        # Blocks kept for the outputs of the requests running before this call (summed only once a
+        # request is checked) and of those it admits after a check.
+        running_before, reserved = len(self.running), None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             if request.num_in_flight:
                 break  # preempted with a token in flight: it resumes once the token is known
             hit = self.kv_cache.match_prefix(request)
             if self.running and self.reserve_share:
+                if reserved is None:
+                    reserved = sum(self._reserved_blocks(r) for r in self.running[:running_before])
                 # Its whole prompt (this step's chunk and the rest), then the reserve, must fit.
                 prompt_blocks = -(-request.num_tokens // self.kv_cache.block_size) - len(hit.blocks)
                 own = self._reserved_blocks(request)

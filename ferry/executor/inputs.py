@@ -67,25 +67,3 @@ def flat_batch(
     )
     return to_device(positions, torch.int64, device), metadata, query_start_loc
 
-
-def one_token_batch(
-    positions: list[int], tables: list[list[int]], block_size: int, device: torch.device,
-) -> tuple[torch.Tensor, AttentionMetadata]:
-    """flat_batch where request i brings one token, at positions[i]: the positions and the attention
-    metadata, built from Python lists (a draft model feeds its guesses back this way, a few requests
-    at a time, where numpy's per-call cost would be most of the work)."""
-    slots = [table[p // block_size] * block_size + p % block_size for p, table in zip(positions, tables)]
-    width = max(map(len, tables))
-    seq_lens = [p + 1 for p in positions]
-    starts = list(range(len(positions) + 1))
-    metadata = AttentionMetadata(
-        slot_mapping=to_device(slots, torch.int64, device),
-        query_start_loc=to_device(starts, torch.int32, device),
-        seq_lens=to_device(seq_lens, torch.int32, device),
-        block_tables=to_device([table + [0] * (width - len(table)) for table in tables], torch.int32, device),
-        max_query_len=1,
-        max_seq_len=max(seq_lens),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-    )
-    return to_device(positions, torch.int64, device), metadata

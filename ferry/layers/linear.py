@@ -166,7 +166,6 @@ class MergedLinear(Linear):
     def __init__(self, input_size: int, output_sizes: dict[str, int], bias: bool) -> None:
         super().__init__(input_size, sum(output_sizes.values()), bias=bias)
         self.output_sizes = dict(output_sizes)
-        self._sizes = list(output_sizes.values())
 
     def shard_rows(self) -> dict[str, slice]:
         """Checkpoint projection name -> the rows of `weight` (and `bias`) it fills."""
@@ -189,4 +188,4 @@ class MergedLinear(Linear):
 
     def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(..., sum(sizes)) -> one (..., size) view per projection."""
-        return out.split_with_sizes(self._sizes, dim=-1)
+        return out.split_with_sizes(list(self.output_sizes.values()), dim=-1)

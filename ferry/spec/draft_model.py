@@ -46,7 +46,7 @@ import torch
 
 from ferry.attention.backend import AttentionBackend, ForwardContext
 from ferry.config import CacheConfig, EngineConfig, ModelConfig
-from ferry.executor.inputs import flat_batch, one_token_batch
+from ferry.executor.inputs import flat_batch
 from ferry.sample import Sampler, SamplingRow
 from ferry.sample.metadata import position_seed, request_generator
 from ferry.sample.sampler import inverse_cdf
@@ -265,7 +265,8 @@ class DraftModelProposer(Proposer):
                 if not all(store):
                     inputs.attn_metadata.slot_mapping[:n].masked_fill_(_mask(store, self.device), -1)
                 return self.graphs.forward(inputs)[:n]
-        positions_t, metadata = one_token_batch(positions, tables, self.block_size, self.device)
+        positions_t, metadata, _ = flat_batch(
+            np.ones(n, np.int64), np.asarray(positions, np.int64), tables, self.block_size, self.device)
         if not all(store):
             metadata.slot_mapping.masked_fill_(_mask(store, self.device), -1)
         return self._forward(tokens, positions_t, metadata)
