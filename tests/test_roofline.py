@@ -14,7 +14,7 @@ import torch
 from ferry.assets import default_model_path
 from ferry.bench import latency, throughput
 from ferry.bench.roofline import (
-    Hardware, ModelCost, RecordedStep, measure_hardware, paging_waste, percentile, step_bound,
+    Hardware, ModelCost, RecordedStep, measure_hardware, paging_waste, percentile, step_bound, step_seconds,
 )
 from ferry.config import ModelConfig
 from ferry.models.registry import get_model_class
@@ -176,6 +176,17 @@ def test_throughput_end_to_end(tmp_path):
     assert r["num_prefill_steps"] == 1 and r["num_preemptions"] == 0
     assert 0 < r["bound_s"] < r["elapsed_s"] and r["achieved_fraction"] == pytest.approx(r["bound_s"] / r["elapsed_s"])
     assert 0 < r["kv_paging_waste"] < 1
+    kinds = r["by_step_kind"]
+    assert kinds["with prefill chunks"]["steps"] == 1 and kinds["decode only"]["steps"] == 3
+    assert kinds["decode only"]["tokens"] == 9 and kinds["with prefill chunks"]["tokens"] == r["input_tokens"]
+    # The steps' times tile the run from the first step's scheduling to its end.
+    assert sum(k["seconds"] for k in kinds.values()) == pytest.approx(r["elapsed_s"], rel=0.05)
+    assert sum(k["bound_s"] for k in kinds.values()) == pytest.approx(r["bound_s"])
+
+
+def test_step_seconds_run_from_one_scheduling_to_the_next():
+    steps = [RecordedStep([(1, 10)], 1, 16, 10, scheduled_at=t) for t in (1.0, 1.5, 3.0)]
+    assert step_seconds(steps, end=3.25) == [0.5, 1.5, 0.25]
 
 
 @pytest.mark.parametrize("scheduling", [[], ["--async-scheduling"]], ids=["sync", "async"])

@@ -271,6 +271,7 @@ class RecordedStep:
     sampled_rows: int
     kv_slots: int  # token slots in the KV blocks in use after scheduling
     kv_tokens: int  # tokens whose K/V those slots hold (or will, once this step runs)
+    scheduled_at: float = 0.0  # time.perf_counter() when it was scheduled
 
 
 class ScheduleRecorder:
@@ -284,6 +285,8 @@ class ScheduleRecorder:
     The schedule is recorded rather than predicted, so chunking, batch shapes and recomputation
     after preemption are charged to the bound exactly as the engine ran them. Recording costs a
     pass over the scheduled and running requests per step (tens of microseconds for hundreds).
+    Each step notes when it was scheduled: the engine schedules one step per `step()` call, so the
+    time from one to the next is the time the engine spent on a step (`step_seconds`).
     """
 
     def __init__(self, engine) -> None:
@@ -303,6 +306,7 @@ class ScheduleRecorder:
                     sum(s.sample for s in out.scheduled),
                     (pool.num_blocks - pool.num_free_blocks) * kv_cache.block_size,
                     sum(r.num_computed_tokens for r in scheduler.running),
+                    time.perf_counter(),
                 ))
             return out
 
@@ -311,6 +315,14 @@ class ScheduleRecorder:
 
     def __exit__(self, *exc) -> None:
         del self.scheduler.schedule
+
+
+def step_seconds(steps: Sequence[RecordedStep], end: float) -> list[float]:
+    """Each step's share of the wall clock: from its scheduling to the next step's (the last one's
+    to `end`). With asynchronous scheduling a step is scheduled while the one before it runs, so
+    this is one engine iteration, which in a device-bound run is the device's time on one step."""
+    starts = [s.scheduled_at for s in steps] + [end]
+    return [b - a for a, b in zip(starts, starts[1:])]
 
 
 def paging_waste(steps: Sequence[RecordedStep]) -> float:
