@@ -81,26 +81,32 @@ def run(args: argparse.Namespace) -> None:
         for _ in range(args.profile_steps):
             engine.step()
         sync()
-    events = prof.key_averages()
     if cuda:
-        kernels = [e for e in events if e.device_type.name == "CUDA"]
-        gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / args.profile_steps
-        print(f"GPU ms per step (kernel time, profiled): {gpu_ms:.3f}; the GPU waits for the host "
-              f"about {max(0.0, step_ms - gpu_ms):.3f} ms of each step")
+        gpu_ms = print_kernels(prof, args.profile_steps, args.top)
+        print(f"the GPU waits for the host about {max(0.0, step_ms - gpu_ms):.3f} ms of each step")
         from ferry.kernels.pdl import use_pdl  # (Triton: CUDA only)
 
         if use_pdl(torch.device(args.device)):
             print("(kernels launched with PDL overlap the one before them: their times include the wait, "
                   "FERRY_PDL=0 separates them)")
-        print(f"\n{'kernel':<60} {'ms/step':>8} {'calls/step':>10} {'share':>6}")
-        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.top]:
-            ms = e.self_device_time_total / 1e3 / args.profile_steps
-            print(f"{e.key[:60]:<60} {ms:>8.3f} {e.count / args.profile_steps:>10.1f} {ms / gpu_ms:>6.1%}")
     else:
-        print(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     if args.trace:
         prof.export_chrome_trace(args.trace)
         print(f"wrote {args.trace}")
+
+
+def print_kernels(prof, num_steps: int, top: int) -> float:
+    """Print the CUDA kernels of a torch.profiler run over `num_steps` steps that took the most
+    time, per step; returns the kernels' total milliseconds per step."""
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / num_steps
+    print(f"GPU ms per step (kernel time, profiled): {gpu_ms:.3f}")
+    print(f"\n{'kernel':<60} {'ms/step':>8} {'calls/step':>10} {'share':>6}")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        ms = e.self_device_time_total / 1e3 / num_steps
+        print(f"{e.key[:60]:<60} {ms:>8.3f} {e.count / num_steps:>10.1f} {ms / gpu_ms:>6.1%}")
+    return gpu_ms
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

@@ -108,7 +108,45 @@ def random_workload(
 # ---- the run ----
 
 
-def generate(engine, prompts: list[list[int]], output_lens: list[int], temperature: float, tag: str) -> int:
+class ProfileWindow:
+    """Kernel times over `steps` engine steps from step `after` of a run (torch.profiler, CUDA): the
+    steps the run really takes, mixed prefill chunks and all. Profiling slows the steps it covers,
+    so a run's wall time with a window is not its throughput."""
+
+    def __init__(self, after: int, steps: int, top: int = 20) -> None:
+        self.after, self.steps, self.top = after, steps, top
+        self._prof = None
+
+    def tick(self, step: int) -> None:
+        """Before engine step number `step` (from 0)."""
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        if step == self.after:
+            torch.cuda.synchronize()
+            self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self._prof.__enter__()
+        elif step == self.after + self.steps:
+            self.close()
+
+    def close(self) -> None:
+        import torch
+
+        from ferry.bench.step_profile import print_kernels
+
+        if self._prof is None:
+            return
+        torch.cuda.synchronize()
+        self._prof.__exit__(None, None, None)
+        print(f"kernels of steps {self.after} to {self.after + self.steps - 1} (torch.profiler):")
+        print_kernels(self._prof, self.steps, self.top)
+        self._prof = None
+
+
+def generate(
+    engine, prompts: list[list[int]], output_lens: list[int], temperature: float, tag: str,
+    window: ProfileWindow | None = None,
+) -> int:
     """Run every request to its end, as `LLM.generate` does; returns the output tokens generated."""
     from ferry.sampling_params import RequestOutputKind, SamplingParams
 
@@ -116,10 +154,15 @@ def generate(engine, prompts: list[list[int]], output_lens: list[int], temperatu
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True,
                                 output_kind=RequestOutputKind.FINAL_ONLY)
         engine.add_request(f"{tag}{i}", {"prompt_token_ids": prompt}, params)
-    generated = 0
+    generated = step = 0
     while engine.has_unfinished_requests():
+        if window is not None:
+            window.tick(step)
         for output in engine.step():
             generated += len(output.outputs[0].token_ids)
+        step += 1
+    if window is not None:
+        window.close()
     return generated
 
 
@@ -152,7 +195,8 @@ def run(args: argparse.Namespace) -> dict:
     spec_before = copy.deepcopy(engine.scheduler.spec_stats)
     with ScheduleRecorder(engine) as steps:
         start = time.perf_counter()
-        generated = generate(engine, prompts, output_lens, args.temperature, "")
+        window = ProfileWindow(args.profile_after, args.profile_steps) if args.profile_steps else None
+        generated = generate(engine, prompts, output_lens, args.temperature, "", window)
         end = time.perf_counter()
         elapsed = end - start
 
@@ -279,6 +323,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--num-warmup-prompts", type=int, default=16,
                         help="requests run before the measured ones (8 output tokens each)")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="CUDA: print the kernels of this many steps of the run (torch.profiler; the profiled "
+                             "steps run slower, so the run's figures are not its throughput)")
+    parser.add_argument("--profile-after", type=int, default=100, help="the step the profiled ones start from")
 
 
 def main_from_args(args: argparse.Namespace) -> int:
