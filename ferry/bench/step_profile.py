@@ -26,7 +26,9 @@ import argparse
 import sys
 import time
 
-from ferry.bench.throughput import add_model_args, build_engine, command_line, random_workload, resolve_model_args
+from ferry.bench.throughput import (
+    add_model_args, build_engine, command_line, print_kernels, random_workload, resolve_model_args,
+)
 
 
 def _timed(fn, n: int, sync) -> float:
@@ -94,19 +96,6 @@ def run(args: argparse.Namespace) -> None:
     if args.trace:
         prof.export_chrome_trace(args.trace)
         print(f"wrote {args.trace}")
-
-
-def print_kernels(prof, num_steps: int, top: int) -> float:
-    """Print the CUDA kernels of a torch.profiler run over `num_steps` steps that took the most
-    time, per step; returns the kernels' total milliseconds per step."""
-    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / num_steps
-    print(f"GPU ms per step (kernel time, profiled): {gpu_ms:.3f}")
-    print(f"\n{'kernel':<60} {'ms/step':>8} {'calls/step':>10} {'share':>6}")
-    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
-        ms = e.self_device_time_total / 1e3 / num_steps
-        print(f"{e.key[:60]:<60} {ms:>8.3f} {e.count / num_steps:>10.1f} {ms / gpu_ms:>6.1%}")
-    return gpu_ms
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

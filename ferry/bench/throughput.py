@@ -108,6 +108,19 @@ def random_workload(
 # ---- the run ----
 
 
+def print_kernels(prof, num_steps: int, top: int) -> float:
+    """Print the CUDA kernels of a torch.profiler run over `num_steps` steps that took the most
+    time, per step; returns the kernels' total milliseconds per step."""
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    gpu_ms = sum(e.self_device_time_total for e in kernels) / 1e3 / num_steps
+    print(f"GPU ms per step (kernel time, profiled): {gpu_ms:.3f}")
+    print(f"\n{'kernel':<60} {'ms/step':>8} {'calls/step':>10} {'share':>6}")
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+        ms = e.self_device_time_total / 1e3 / num_steps
+        print(f"{e.key[:60]:<60} {ms:>8.3f} {e.count / num_steps:>10.1f} {ms / gpu_ms:>6.1%}")
+    return gpu_ms
+
+
 class ProfileWindow:
     """Kernel times over `steps` engine steps from step `after` of a run (torch.profiler, CUDA): the
     steps the run really takes, mixed prefill chunks and all. Profiling slows the steps it covers,
@@ -131,8 +144,6 @@ class ProfileWindow:
 
     def close(self) -> None:
         import torch
-
-        from ferry.bench.step_profile import print_kernels
 
         if self._prof is None:
             return
