@@ -89,5 +89,9 @@ class PrefixCache:
     def is_cached(self, block: int) -> bool:
         return block in self._hash_of
 
+    def cached_blocks(self) -> list[int]:
+        """The blocks whose contents can be found (full blocks, and partial ones)."""
+        return [*self._hash_of, *self._partial_hash_of]
+
     def __len__(self) -> int:
         return len(self._blocks)

@@ -15,7 +15,8 @@ with `EngineDeadError` at once and `is_alive` turns False. Given a `RestartPolic
 then supervised: a new process starts (`is_restarting`, with backoff between failed starts) and
 `is_alive` is True again once it is ready; without one, or when no start succeeds, it stays dead.
 Started with `trace=True`, the engine sends the traces of the requests that finish, and
-`trace_sink` gets them.
+`trace_sink` gets them. While `watch(True)` holds, the engine sends sampled views of itself for the
+dashboard, and `view_sink` gets them (a restarted engine is asked again).
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 from ferry.engine.engine_process import run_engine_process
 from ferry.engine.messages import (
-    HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, Message,
-    RequestFailed, Shutdown, StepOutputs, decode, encode, encode_config, frame_length,
+    HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, EngineView, Message,
+    RequestFailed, Shutdown, StepOutputs, Watch, decode, encode, encode_config, frame_length,
 )
 from ferry.metrics.tracing import RequestTrace
 from ferry.outputs import CompletionOutput, RequestOutput
@@ -101,6 +102,8 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.stats = EngineStats()
         self.trace_sink: Callable[[list[RequestTrace]], None] | None = None
+        self.view_sink: Callable[[dict[str, Any]], None] | None = None
+        self._watching = False
         self.num_restarts = 0  # engine processes started after the first
         self._launch = launch
         self._restart = restart
@@ -116,6 +119,8 @@ class AsyncEngine:
         self.info = engine.info  # a new process may size its KV cache differently
         self._dead_reason = None
         self._read_task = asyncio.create_task(self._read_loop(engine))
+        if self._watching:  # a restarted engine: the dashboard still watches
+            self._send(Watch(True))
 
     @classmethod
     async def start(
@@ -196,6 +201,13 @@ class AsyncEngine:
             if not finished and self.is_alive:
                 self._send(AbortRequest(request_id))
 
+    def watch(self, on: bool) -> None:
+        """Ask the engine for views of itself (the dashboard's), or to stop sending them."""
+        if on != self._watching:
+            self._watching = on
+            if self.is_alive:
+                self._send(Watch(on))
+
     def abort_all(self, reason: str) -> None:
         """End every request in flight with RequestAborted (their streams abort them in the engine)."""
         for stream in self._streams.values():
@@ -264,6 +276,9 @@ class AsyncEngine:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:  # else: aborted here while its last step ran
                     stream.put(output)
+        elif isinstance(message, EngineView):
+            if self.view_sink is not None:
+                self.view_sink(message.view)
         elif isinstance(message, RequestFailed):
             stream = self._streams.get(message.request_id)
             if stream is not None:

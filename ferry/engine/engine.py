@@ -14,7 +14,8 @@ output processing) runs while the device computes; outputs then come one step la
 
 Requests with penalties need their last token on the host before they can be sampled again; while
 one runs, steps do not overlap. Given a `RequestTracer`, it tells it what each step did to each
-request (see metrics/tracing.py); without one, tracing costs nothing.
+request (see metrics/tracing.py); without one, tracing costs nothing. A `step_listener` is told
+each applied step's schedule and times (the dashboard's sampler: dashboard/watch.py).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ferry.config import EngineConfig
@@ -66,6 +68,9 @@ class LLMEngine:
         self._in_flight: _Launched | None = None
         # The steps scheduled and not yet applied (at most two): whose requests a failure ends.
         self._unapplied: list[SchedulerOutput] = []
+        # Told of every step once applied: (its schedule, when it was scheduled, when it ended). The
+        # dashboard's sampler sits here while a browser watches (dashboard/watch.py).
+        self.step_listener: Callable[[SchedulerOutput, float, float], None] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, tracer: RequestTracer | None = None) -> LLMEngine:
@@ -207,11 +212,14 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, FinishReason.STOP)
         if failed:
             self.scheduler.finish_requests(failed, FinishReason.ERROR)
-        if self.tracer is not None:
+        if self.tracer is not None or self.step_listener is not None:
             end = time.monotonic() if trace_end is None else trace_end
-            self.tracer.step(launched.scheduler_output, updates, launched.start, end)
-            self.tracer.finished(stopped, str(FinishReason.STOP), end)
-            self.tracer.finished(failed, str(FinishReason.ERROR), end)
+            if self.tracer is not None:
+                self.tracer.step(launched.scheduler_output, updates, launched.start, end)
+                self.tracer.finished(stopped, str(FinishReason.STOP), end)
+                self.tracer.finished(failed, str(FinishReason.ERROR), end)
+            if self.step_listener is not None:
+                self.step_listener(launched.scheduler_output, launched.start, end)
         return outputs
 
     def _fail_unapplied(self, error: Exception) -> list[RequestOutput]:

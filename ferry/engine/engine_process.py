@@ -2,7 +2,7 @@
 own): the server's `AsyncEngine` starts it and talks to it over a local socket pair.
 
     reader thread:  socket ─► decode ─► inbox                (always draining the socket)
-    engine loop:    inbox ─► add / abort ─► engine.step() ─► StepOutputs ─► encode ─► outbox
+    engine loop:    inbox ─► add / abort / watch ─► engine.step() ─► StepOutputs (+ EngineView) ─► encode ─► outbox
     writer thread:  outbox ─► socket
 
 The loop encodes each message itself (little work for plain deltas in their short form,
@@ -18,7 +18,8 @@ arrived between two steps, applies it, and steps. Every step sends one `StepOutp
 outputs of all requests that moved and the stats after the step, so the server's gauges follow
 the engine step by step (an abort that frees KV blocks sends one too, without a step). With
 tracing on, it also carries the traces of the requests that finished; the server keeps and writes
-them, so the engine's process spends no time on files.
+them, so the engine's process spends no time on files. While the dashboard watches (`Watch`), the
+loop also sends sampled `EngineView`s (dashboard/watch.py), at most ten a second.
 
 If the server goes away (the socket closes), the loop ends: an engine nobody can reach only burns
 the machine. If the engine fails, it says why (`EngineFailed`) and the process exits non-zero.
@@ -36,8 +37,8 @@ import threading
 import traceback
 
 from ferry.engine.messages import (
-    HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, Message,
-    RequestFailed, Shutdown, StepOutputs, decode, decode_config, encode, frame_length,
+    HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, EngineView, Message,
+    RequestFailed, Shutdown, StepOutputs, Watch, decode, decode_config, encode, frame_length,
 )
 from ferry.engine.faults import is_device_fault
 from ferry.gc_settings import quiet_gc
@@ -144,6 +145,7 @@ class EngineLoop:
         # Requests whose prompt logprobs have not been sent yet -> their prompt length.
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self._watch = None  # an EngineWatch while the dashboard watches (dashboard/watch.py)
 
     def run(self) -> None:
         threading.Thread(target=self._read, name="engine-channel-reader", daemon=True).start()
@@ -170,6 +172,10 @@ class EngineLoop:
             if changed:
                 wire_outputs = [self._for_wire(o) for o in outputs]
                 self._post(StepOutputs(wire_outputs, self._stats(), self._take_traces()))
+            if self._watch is not None:
+                view = self._watch.take(force=not self.engine.has_unfinished_requests())
+                if view is not None:
+                    self._post(EngineView(view))
 
     def _post(self, message: Message) -> None:
         self.outbox.put(encode(message))
@@ -204,7 +210,15 @@ class EngineLoop:
                 self._add(message)
             elif isinstance(message, AbortRequest):
                 self.engine.abort_request(message.request_id)
+            elif isinstance(message, Watch):
+                self._set_watch(message.on)
         return bool(messages)
+
+    def _set_watch(self, on: bool) -> None:
+        from ferry.dashboard.watch import watch_engine
+
+        self._watch = watch_engine(self.engine) if on and self._watch is None else (self._watch if on else None)
+        self.engine.step_listener = self._watch.on_step if self._watch is not None else None
 
     def _add(self, message: AddRequest) -> None:
         prompt = {"prompt_token_ids": message.prompt_token_ids, "cache_salt": message.cache_salt}

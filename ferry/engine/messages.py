@@ -1,8 +1,8 @@
 """The typed messages between the server and the engine process, and their wire format.
 
     server process                                   engine process
-    AsyncEngine ── AddRequest, AbortRequest, Shutdown ──► EngineLoop
-                ◄── EngineReady, StepOutputs, RequestFailed, EngineFailed ──┘
+    AsyncEngine ── AddRequest, AbortRequest, Watch, Shutdown ──► EngineLoop
+                ◄── EngineReady, StepOutputs, EngineView, RequestFailed, EngineFailed ──┘
 
 On the wire a message is a 4-byte big-endian length, then `["TypeName", body]` as UTF-8 JSON.
 Decoding builds only the message classes listed here, field by field: nothing that crosses the
@@ -69,6 +69,22 @@ class AbortRequest:
     @classmethod
     def from_json(cls, body: Any) -> AbortRequest:
         return cls(_str(body))
+
+
+@dataclass(frozen=True)
+class Watch:
+    """Start (or stop) sampling views of the engine for the dashboard (dashboard/watch.py)."""
+
+    on: bool
+
+    def to_json(self) -> Any:
+        return self.on
+
+    @classmethod
+    def from_json(cls, body: Any) -> Watch:
+        if not isinstance(body, bool):
+            raise TypeError(f"Watch takes a boolean, got {type(body).__name__}")
+        return cls(body)
 
 
 @dataclass(frozen=True)
@@ -151,6 +167,23 @@ class StepOutputs:
 
 
 @dataclass(frozen=True)
+class EngineView:
+    """A sampled view of the engine for the dashboard: plain JSON data (numbers, strings and lists
+    of them; dashboard/watch.py says what), passed on to browsers as it is."""
+
+    view: dict[str, Any]
+
+    def to_json(self) -> Any:
+        return self.view
+
+    @classmethod
+    def from_json(cls, body: Any) -> EngineView:
+        if not isinstance(body, dict):
+            raise TypeError(f"EngineView takes an object, got {type(body).__name__}")
+        return cls(body)
+
+
+@dataclass(frozen=True)
 class RequestFailed:
     """The engine refused a request (its ValueError message), or failed to add it (`internal`: a
     fault of the engine's, not of the request); either way the engine itself goes on."""
@@ -181,10 +214,12 @@ class EngineFailed:
         return cls(_str(body))
 
 
-Message = AddRequest | AbortRequest | Shutdown | EngineReady | StepOutputs | RequestFailed | EngineFailed
+Message = (AddRequest | AbortRequest | Watch | Shutdown | EngineReady | StepOutputs | EngineView | RequestFailed
+           | EngineFailed)
 _TYPES: dict[str, Any] = {
     cls.__name__: cls
-    for cls in (AddRequest, AbortRequest, Shutdown, EngineReady, StepOutputs, RequestFailed, EngineFailed)
+    for cls in (AddRequest, AbortRequest, Watch, Shutdown, EngineReady, StepOutputs, EngineView, RequestFailed,
+                EngineFailed)
 }
 
 

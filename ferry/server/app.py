@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferry import __version__
+from ferry.dashboard.feed import DASHBOARD_CSP, DashboardFeed, dashboard_page
 from ferry.engine.async_engine import AsyncEngine
 from ferry.engine.messages import EngineStats
 from ferry.gc_settings import quiet_gc
@@ -64,6 +65,7 @@ class ServerState:
                                      lambda: self.engine.num_restarts if self.engine is not None else 0,
                                      lambda: self.engine is not None and self.engine.info.num_speculative_tokens > 0)
         self.traces = TraceLog(Path(config.trace_dir)) if config.trace_dir is not None else None
+        self.dashboard = DashboardFeed(self.metrics.registry, self._watch)
         self.engine: AsyncEngine | None = None
         self.completions: CompletionServing | None = None
         self.chat: ChatServing | None = None
@@ -90,8 +92,16 @@ class ServerState:
         self.engine = engine
         if self.traces is not None:
             engine.trace_sink = self.traces.add
+        engine.view_sink = self.dashboard.add
+        if self.dashboard.num_watchers:
+            engine.watch(True)
         self.completions = CompletionServing(engine, self.config, self.metrics)
         self.chat = ChatServing(engine, self.config, self.metrics)
+
+    def _watch(self, on: bool) -> None:
+        """The dashboard's first browser came, or its last one left."""
+        if self.engine is not None:
+            self.engine.watch(on)
 
     def ready_engine(self) -> AsyncEngine:
         """The engine, or ApiError 503 while it starts, restarts or is dead."""
@@ -220,6 +230,16 @@ async def traces(request: Request) -> Response:
     return Response(log.recent_json(request.query_params.get("request_id")), media_type="application/json")
 
 
+async def dashboard(request: Request) -> Response:
+    """The dashboard's page: static, the same for everyone (its data comes from /dashboard/events,
+    behind the API key). Its Content-Security-Policy lets it load nothing from another origin."""
+    return Response(dashboard_page(), media_type="text/html", headers={"Content-Security-Policy": DASHBOARD_CSP})
+
+
+async def dashboard_events(request: Request) -> Response:
+    return EventStreamResponse(_state(request).dashboard.events(), lambda: None)
+
+
 async def models(request: Request) -> Response:
     return Response(ModelList(data=[_model_card(_state(request))]).model_dump_json(), media_type="application/json")
 
@@ -290,6 +310,8 @@ ROUTES = [
     ("/version", "GET", version),
     ("/metrics", "GET", metrics),
     ("/v1/traces", "GET", traces),
+    ("/dashboard", "GET", dashboard),
+    ("/dashboard/events", "GET", dashboard_events),
     ("/v1/models", "GET", models),
     ("/v1/models/{model:path}", "GET", model),  # a served name may hold slashes ("org/model")
     ("/v1/completions", "POST", completions),

@@ -1,4 +1,5 @@
-"""API keys: with `--api-key`, every route but /health (and /ping) and /version needs `Authorization: Bearer <key>`.
+"""API keys: with `--api-key`, every route but /health (and /ping), /version and the dashboard's
+static page needs `Authorization: Bearer <key>`.
 
 It is ASGI middleware rather than a per-route dependency so that no route, present or future, can
 forget it: the check runs before routing, and even an unknown path answers 401 without the key.
@@ -15,7 +16,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ferry.server.errors import ApiError, error_response
 
-PUBLIC_PATHS = frozenset({"/health", "/ping", "/version"})
+# /dashboard is its page alone, the same for everyone: it asks for the key and sends it with its
+# requests for data (/dashboard/events), which need it as every other route does.
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/version", "/dashboard"})
 
 
 class ApiKeyMiddleware:
