@@ -29,15 +29,17 @@ class LLM:
             from ferry.assets import default_model_path
 
             model = default_model_path()
+        config = EngineConfig.create(model, **engine_args)
         self.trace_writer = None
         tracer = None
         if trace_dir is not None:
+            from ferry.bench.roofline import schedule_bound
             from ferry.metrics.trace_writer import TraceWriter
             from ferry.metrics.tracing import RequestTracer
 
             self.trace_writer = TraceWriter(Path(trace_dir))
-            tracer = RequestTracer(self.trace_writer.add)
-        self.engine = LLMEngine.from_config(EngineConfig.create(model, **engine_args), tracer)
+            tracer = RequestTracer(self.trace_writer.add, self.trace_writer.add_step, schedule_bound(config))
+        self.engine = LLMEngine.from_config(config, tracer)
         self._ids = itertools.count()
 
     @property

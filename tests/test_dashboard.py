@@ -85,7 +85,7 @@ def test_a_watch_describes_sampled_steps_with_their_bound(llm):
 
 
 def test_only_one_step_per_interval_is_described(llm):
-    watch = EngineWatch(llm.engine, watch_engine(llm.engine, CPU).cost, CPU)
+    watch = EngineWatch(llm.engine, lambda output: 0.001)
     decode = ScheduledRequest("c", [7], start_pos=30, new_block_ids=[], sample=True)
     output = SchedulerOutput([decode], num_scheduled_tokens=1)
     for start in (0.0, 0.01, 0.02, 0.06, 0.07, 0.2):
@@ -261,8 +261,10 @@ def test_a_browser_sees_live_panels(server, tmp_path):
             page.click("button[type=submit]")
             deadline = time.monotonic() + 30
             # (Polled from here: the page's CSP forbids the string evaluation wait_for_function uses.)
+            # The block map comes once a second, and names the requests running then.
             while time.monotonic() < deadline and not (
-                    int(page.get_attribute("body", "data-steps") or 0) >= 10 and page.inner_text("#running") != "–"):
+                    int(page.get_attribute("body", "data-steps") or 0) >= 10 and page.inner_text("#running") != "–"
+                    and "tokens)" in page.inner_text("#kv-legend")):
                 time.sleep(0.2)
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             assert page.inner_text("#status") == "live"

@@ -10,18 +10,19 @@ import pytest
 
 from fake_model import fake_engine, reference_tokens
 from ferry.engine.messages import HEADER_BYTES, StepOutputs, decode, encode
-from ferry.metrics.chrome_trace import chrome_trace
+from ferry.metrics.chrome_trace import STEP_TRACK, chrome_trace
 from ferry.metrics.latency import RequestClock
 from ferry.metrics.trace_writer import TraceWriter
 from ferry.metrics.tracing import (
-    DECODE, FINISHED, PREEMPTED, PREFILL, QUEUED, RECOMPUTE, SCHEDULED, RequestTrace, RequestTracer, TraceEvent,
+    DECODE, FINISHED, PREEMPTED, PREFILL, QUEUED, RECOMPUTE, SCHEDULED, RequestTrace, RequestTracer, StepTrace,
+    TraceEvent,
 )
 from ferry.outputs import CompletionOutput, RequestOutput
 from ferry.sampling_params import SamplingParams
 from test_scheduler import random_prompts
 
 # The trace-event format (Chrome's "Trace Event Format" document, as Perfetto reads it), narrowed to
-# what ferry writes: complete events, thread-scoped instants, and process/thread names.
+# what ferry writes: complete events, thread-scoped instants, flow arrows, and process/thread names.
 _COMMON = {
     "name": {"type": "string", "minLength": 1},
     "pid": {"type": "integer", "minimum": 0},
@@ -37,6 +38,7 @@ TRACE_EVENT_SCHEMA = {
         "displayTimeUnit": {"enum": ["ms", "ns"]},
         "traceEvents": {"type": "array", "items": {"oneOf": [
             {"$ref": "#/$defs/complete"}, {"$ref": "#/$defs/instant"}, {"$ref": "#/$defs/metadata"},
+            {"$ref": "#/$defs/flow"},
         ]}},
     },
     "$defs": {
@@ -48,6 +50,11 @@ TRACE_EVENT_SCHEMA = {
         "instant": {
             "type": "object", "additionalProperties": False, "required": ["ph", "name", "pid", "tid", "ts", "s"],
             "properties": {**_COMMON, "ph": {"const": "i"}, "ts": {"type": "number"}, "s": {"enum": ["g", "p", "t"]}},
+        },
+        "flow": {
+            "type": "object", "additionalProperties": False, "required": ["ph", "name", "cat", "pid", "tid", "ts", "id"],
+            "properties": {**_COMMON, "ph": {"enum": ["s", "f"]}, "cat": {"type": "string"}, "ts": {"type": "number"},
+                           "id": {"type": "string"}, "bp": {"const": "e"}},
         },
         "metadata": {
             "type": "object", "additionalProperties": False, "required": ["ph", "name", "pid", "args"],
@@ -143,7 +150,8 @@ def test_a_trace_with_forced_preemption_shows_each_preemption(async_scheduling):
     instants = [e for e in trace_json["traceEvents"] if e["ph"] == "i" and e["name"] == PREEMPTED]
     assert len(instants) == engine.scheduler.num_preemptions
     names = {e["tid"]: e["args"]["name"] for e in trace_json["traceEvents"] if e["name"] == "thread_name"}
-    assert sorted(names.values()) == [str(i) for i in range(8)]
+    assert names[STEP_TRACK] == "engine steps"
+    assert sorted(v for tid, v in names.items() if tid != STEP_TRACK) == [str(i) for i in range(8)]
     assert all(e["tid"] in names for e in trace_json["traceEvents"] if e["ph"] != "M")
     json.loads(json.dumps(trace_json))  # plain JSON all the way down
 
@@ -230,7 +238,7 @@ def test_trace_files_roll_and_stay_bounded(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept + ["someone-elses.json"])
     names = [[e["args"]["name"] for e in json.loads(p.read_text())["traceEvents"] if e["name"] == "thread_name"]
              for p in writer.files]
-    assert names == [["r3", "r4", "r5"], ["r6", "r7"]]
+    assert names == [["engine steps", "r3", "r4", "r5"], ["engine steps", "r6", "r7"]]
 
 
 def test_a_flush_writes_only_when_something_is_new(tmp_path):
@@ -298,3 +306,69 @@ def test_engine_reports_when_requests_were_first_scheduled():
         assert m["arrival_time"] <= m["first_scheduled_time"] <= m["first_token_time"]
     # The second waited for the first to finish (max_num_seqs=1).
     assert final["1"].metrics["first_scheduled_time"] >= final["0"].metrics["first_token_time"]
+
+
+def test_steps_are_traced_with_their_bound_and_linked_to_the_chunks_they_computed():
+    engine = fake_engine(block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
+    traces: list[RequestTrace] = []
+    steps: list[StepTrace] = []
+    seen = []
+
+    def bound(output):
+        seen.append(output.step_id)
+        return 1e-3 * output.num_scheduled_tokens
+
+    engine.tracer = RequestTracer(traces.append, steps.append, bound)
+    prompts = random_prompts(3, 10, 20, seed=4)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(max_tokens=5))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert [s.step_id for s in steps] == seen and len(set(seen)) == len(seen)
+    for step in steps:
+        assert step.bound == pytest.approx(1e-3 * step.tokens) and step.duration >= 0
+        assert step.tokens == step.prefill_tokens + step.decodes  # no proposals here: one token a decode
+    assert sum(s.prefill_tokens for s in steps) == sum(map(len, prompts))
+    by_id = {s.step_id: s for s in steps}
+    for trace in traces:
+        for chunk in events(trace, PREFILL):
+            step = by_id[chunk.args["step"]]
+            assert step.start == chunk.start and step.prefill_chunks >= 1
+        (run,) = events(trace, DECODE)
+        first, last = by_id[run.args["first_step"]], by_id[run.args["last_step"]]
+        assert first.start == run.start and last.start + last.duration == pytest.approx(run.start + run.duration)
+        assert run.args["last_step"] - run.args["first_step"] + 1 >= run.args["steps"]
+
+    trace_json = chrome_trace(traces, steps)
+    validate(trace_json)
+    on_track = [e for e in trace_json["traceEvents"] if e["tid"] == STEP_TRACK and e["ph"] == "X"]
+    assert len(on_track) == len(steps)
+    assert all(e["args"]["roofline_ms"] == pytest.approx(e["args"]["tokens"]) for e in on_track)
+    # Each chunk's arrow starts on its request's track and ends on its step's span, at the same time.
+    flows = [e for e in trace_json["traceEvents"] if e["ph"] in "sf"]
+    chunks = sum(len(events(t, PREFILL)) for t in traces)
+    assert len(flows) == 2 * chunks and len({e["id"] for e in flows}) == chunks
+    step_starts = {e["ts"] for e in on_track}
+    assert all(e["ts"] in step_starts for e in flows if e["ph"] == "f")
+
+
+def test_step_traces_cross_the_wire_and_the_trace_log_keeps_those_its_requests_span(tmp_path):
+    from ferry.server.traces import TraceLog
+
+    step = StepTrace(7, 10.0, 0.02, 1, 12, 3, 15, 0.005)
+    message = StepOutputs([], steps=[step])
+    assert decode(encode(message)[4:]).steps == [step]
+    log = TraceLog(tmp_path)
+    trace = RequestTrace("r", 1, (TraceEvent(PREFILL, 10.0, 0.02, {"start": 0, "tokens": 12, "cached_tokens": 0,
+                                                                    "step": 7}),))
+    log.add([trace])
+    log.add_steps([StepTrace(6, 9.9, 0.05, 0, 0, 4, 4, None), step, StepTrace(8, 10.5, 0.01, 0, 0, 1, 1, None)])
+    body = json.loads(log.recent_json("r"))
+    kept = [e["args"]["step"] for e in body["traceEvents"] if e["tid"] == STEP_TRACK and e["ph"] == "X"]
+    assert kept == [7]  # the steps within the request's spans
+    log.writer.flush()
+    (path,) = log.writer.files
+    written = json.loads(path.read_text())
+    validate(written)
+    assert sorted(e["args"]["step"] for e in written["traceEvents"] if e["ph"] == "X" and e["tid"] == STEP_TRACK) \
+        == [6, 7, 8]

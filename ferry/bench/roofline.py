@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-    from ferry.config import ModelConfig
+    from ferry.config import EngineConfig, ModelConfig
+    from ferry.core.outputs import SchedulerOutput
 
 # (query_len, seq_len) of one scheduled request: q_i new tokens, ending at position seq_len - 1.
 Step = Sequence[tuple[int, int]]
@@ -253,6 +254,29 @@ class ModelCost:
         kv = self.kv_bytes_per_token * sum(s for _, s in step)  # c_i read + q_i written = s_i
         fp8_flops = 2 * self.linear_params * num_tokens if self.fp8_linears else 0
         return StepCost(float(flops), float(weights + kv), float(fp8_flops))
+
+
+def schedule_bound(config: EngineConfig, hardware: Hardware | None = None) -> Callable[[SchedulerOutput], float]:
+    """The roofline bound (seconds) of any step the engine of `config` schedules, on `hardware`:
+    measured once per process when not given (under a second on a GPU, a few on a CPU)."""
+    cost = ModelCost.from_model_config(config.model, config.cache.kv_itemsize(config.model))
+    hw = hardware or measured_hardware(config.device)
+
+    def bound(output: SchedulerOutput) -> float:
+        step = [(len(s.token_ids), s.start_pos + len(s.token_ids)) for s in output.scheduled]
+        return step_bound(step, sum(s.sample for s in output.scheduled), cost, hw)
+
+    return bound
+
+
+_measured: dict[str, Hardware] = {}
+
+
+def measured_hardware(device: str) -> Hardware:
+    """measure_hardware(device), once per process."""
+    if device not in _measured:
+        _measured[device] = measure_hardware(device)
+    return _measured[device]
 
 
 def step_bound(step: Step, sampled_rows: int, cost: ModelCost, hw: Hardware) -> float:

@@ -21,12 +21,15 @@ order the view's `requests` lists them.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ferry.metrics.tracing import is_decode
+
 if TYPE_CHECKING:
-    from ferry.bench.roofline import Hardware, ModelCost
+    from ferry.bench.roofline import Hardware
     from ferry.core.outputs import SchedulerOutput
 
 STEP_INTERVAL_S = 0.05  # at most 20 steps a second described
@@ -40,29 +43,15 @@ FREE, CACHED, SHARED, OTHER = -1, -2, -3, -4
 def watch_engine(engine, hardware: Hardware | None = None) -> EngineWatch:
     """An EngineWatch of `engine`, its steps' bounds on `hardware` (measured when not given: about
     a second on a GPU, a few on a CPU, once per process)."""
-    from ferry.bench.roofline import ModelCost
+    from ferry.bench.roofline import schedule_bound
 
-    config = engine.config
-    cost = ModelCost.from_model_config(config.model, config.cache.kv_itemsize(config.model))
-    return EngineWatch(engine, cost, hardware or _hardware(config.device))
-
-
-_measured: dict[str, Hardware] = {}
-
-
-def _hardware(device: str) -> Hardware:
-    from ferry.bench.roofline import measure_hardware
-
-    if device not in _measured:
-        _measured[device] = measure_hardware(device)
-    return _measured[device]
+    return EngineWatch(engine, schedule_bound(engine.config, hardware))
 
 
 class EngineWatch:
-    def __init__(self, engine, cost: ModelCost, hardware: Hardware, clock=time.monotonic) -> None:
+    def __init__(self, engine, bound: Callable[[SchedulerOutput], float], clock=time.monotonic) -> None:
         self.engine = engine
-        self.cost = cost
-        self.hardware = hardware
+        self.bound = bound  # seconds: a scheduled step's roofline bound (bench/roofline.py)
         self.clock = clock
         self._steps: list[list[float]] = []
         self._last_step = self._last_view = self._last_map = float("-inf")
@@ -70,25 +59,14 @@ class EngineWatch:
 
     def on_step(self, output: SchedulerOutput, start: float, end: float) -> None:
         """A step completed: it ran from `start` to `end` (time.monotonic())."""
-        from ferry.bench.roofline import step_bound
-
         self._num_steps += 1
         if start - self._last_step < STEP_INTERVAL_S:
             return
         self._last_step = start
-        step, prefills, prefill_tokens, decodes, sampled = [], 0, 0, 0, 0
-        for s in output.scheduled:
-            q = len(s.token_ids)
-            step.append((q, s.start_pos + q))
-            sampled += s.sample
-            if q - s.num_draft_tokens == 1 and s.sample:
-                decodes += 1
-            else:
-                prefills += 1
-                prefill_tokens += q
-        bound = step_bound(step, sampled, self.cost, self.hardware)
-        self._steps.append([round(start, 4), round(end - start, 6), prefills, prefill_tokens, decodes,
-                            output.num_scheduled_tokens, round(bound, 6)])
+        prefills = [len(s.token_ids) for s in output.scheduled if not is_decode(s)]
+        self._steps.append([round(start, 4), round(end - start, 6), len(prefills), sum(prefills),
+                            len(output.scheduled) - len(prefills), output.num_scheduled_tokens,
+                            round(self.bound(output), 6)])
 
     def take(self, force: bool = False) -> dict[str, Any] | None:
         """The view since the last one, or None when the last was under VIEW_INTERVAL_S ago (unless

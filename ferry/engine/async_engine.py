@@ -15,7 +15,7 @@ with `EngineDeadError` at once and `is_alive` turns False. Given a `RestartPolic
 then supervised: a new process starts (`is_restarting`, with backoff between failed starts) and
 `is_alive` is True again once it is ready; without one, or when no start succeeds, it stays dead.
 Started with `trace=True`, the engine sends the traces of the requests that finish, and
-`trace_sink` gets them. While `watch(True)` holds, the engine sends sampled views of itself for the
+`trace_sink` gets them, and its steps' traces, which `step_trace_sink` gets. While `watch(True)` holds, the engine sends sampled views of itself for the
 dashboard, and `view_sink` gets them (a restarted engine is asked again).
 """
 
@@ -37,7 +37,7 @@ from ferry.engine.messages import (
     HEADER_BYTES, AbortRequest, AddRequest, EngineFailed, EngineInfo, EngineReady, EngineStats, EngineView, Message,
     RequestFailed, Shutdown, StepOutputs, Watch, decode, encode, encode_config, frame_length,
 )
-from ferry.metrics.tracing import RequestTrace
+from ferry.metrics.tracing import RequestTrace, StepTrace
 from ferry.outputs import CompletionOutput, RequestOutput
 from ferry.sampling_params import RequestOutputKind, SamplingParams
 
@@ -102,6 +102,7 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.stats = EngineStats()
         self.trace_sink: Callable[[list[RequestTrace]], None] | None = None
+        self.step_trace_sink: Callable[[list[StepTrace]], None] | None = None
         self.view_sink: Callable[[dict[str, Any]], None] | None = None
         self._watching = False
         self.num_restarts = 0  # engine processes started after the first
@@ -272,6 +273,8 @@ class AsyncEngine:
             self.stats = message.stats
             if message.traces and self.trace_sink is not None:
                 self.trace_sink(message.traces)
+            if message.steps and self.step_trace_sink is not None:
+                self.step_trace_sink(message.steps)
             for output in message.outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is not None:  # else: aborted here while its last step ran

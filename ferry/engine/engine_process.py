@@ -42,7 +42,7 @@ from ferry.engine.messages import (
 )
 from ferry.engine.faults import is_device_fault
 from ferry.gc_settings import quiet_gc
-from ferry.metrics.tracing import RequestTrace, RequestTracer
+from ferry.metrics.tracing import RequestTrace, RequestTracer, StepTrace
 from ferry.outputs import RequestOutput
 
 
@@ -64,10 +64,15 @@ def run_engine_process(sock: socket.socket, config: str, threads: int | None, tr
         if threads is not None:
             torch.set_num_threads(threads)
         finished_traces: list[RequestTrace] = []
-        tracer = RequestTracer(finished_traces.append) if trace else None
+        steps: list[StepTrace] = []
+        tracer = None
+        if trace:
+            from ferry.bench.roofline import schedule_bound
+
+            tracer = RequestTracer(finished_traces.append, steps.append, schedule_bound(engine_config))
         engine = LLMEngine.from_config(engine_config, tracer)
         quiet_gc()
-        EngineLoop(engine, channel, finished_traces).run()
+        EngineLoop(engine, channel, finished_traces, steps).run()
         engine.shutdown()
     except BaseException:
         _report_failure(channel)
@@ -135,11 +140,16 @@ class Channel:
 
 
 class EngineLoop:
-    def __init__(self, engine, channel: Channel, finished_traces: list[RequestTrace] | None = None) -> None:
+    def __init__(
+        self, engine, channel: Channel, finished_traces: list[RequestTrace] | None = None,
+        steps: list[StepTrace] | None = None,
+    ) -> None:
         self.engine = engine
         self.channel = channel
-        # Where the engine's tracer puts finished requests' traces; each message takes them all.
+        # Where the engine's tracer puts finished requests' traces and its steps; each message takes
+        # them all.
         self._finished_traces = finished_traces if finished_traces is not None else []
+        self._steps = steps if steps is not None else []
         self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # encoded messages
         # Requests whose prompt logprobs have not been sent yet -> their prompt length.
@@ -171,7 +181,7 @@ class EngineLoop:
                 changed = True
             if changed:
                 wire_outputs = [self._for_wire(o) for o in outputs]
-                self._post(StepOutputs(wire_outputs, self._stats(), self._take_traces()))
+                self._post(StepOutputs(wire_outputs, self._stats(), *self._take_traces()))
             if self._watch is not None:
                 view = self._watch.take(force=not self.engine.has_unfinished_requests())
                 if view is not None:
@@ -240,10 +250,11 @@ class EngineLoop:
         self._generation_tokens_total += sum(len(c.token_ids) for c in output.outputs)
         return output
 
-    def _take_traces(self) -> list[RequestTrace]:
-        traces = list(self._finished_traces)
+    def _take_traces(self) -> tuple[list[RequestTrace], list[StepTrace]]:
+        traces, steps = list(self._finished_traces), list(self._steps)
         self._finished_traces.clear()
-        return traces
+        self._steps.clear()
+        return traces, steps
 
     def _info(self) -> EngineInfo:
         config = self.engine.config

@@ -14,7 +14,7 @@ are one completion's new text and tokens, nothing else; those travel as a short 
 `[request_id, text, token_ids, num_cached_tokens]`, which costs both ends much less than the full form
 (a step's message carries hundreds of them). Prompt logprobs travel once,
 in the first output that has all of them. With tracing on, a step's message also carries the
-traces of the requests that finished in it.
+traces of the requests that finished in it, and the step's own trace.
 
 The engine process gets its `EngineConfig` through the same codec (`encode_config`, as the
 argument it is spawned with): every field by name, the sub-configs nested, folders as strings and
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ferry.config import EngineConfig, field_types
-from ferry.metrics.tracing import RequestTrace, TraceEvent
+from ferry.metrics.tracing import RequestTrace, StepTrace, TraceEvent
 from ferry.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from ferry.sampling_params import RequestOutputKind, SamplingParams
 
@@ -154,16 +154,17 @@ class StepOutputs:
     outputs: list[RequestOutput]
     stats: EngineStats = field(default_factory=EngineStats)
     traces: list[RequestTrace] = field(default_factory=list)
+    steps: list[StepTrace] = field(default_factory=list)  # the steps traced since the last message
 
     def to_json(self) -> Any:
         return [[_output_to_json(o) for o in self.outputs], _flat_to_json(self.stats),
-                [_trace_to_json(t) for t in self.traces]]
+                [_trace_to_json(t) for t in self.traces], [_flat_to_json(s) for s in self.steps]]
 
     @classmethod
     def from_json(cls, body: Any) -> StepOutputs:
-        outputs, stats, traces = body
+        outputs, stats, traces, steps = body
         return cls([_output_from_json(o) for o in outputs], _flat_from_json(EngineStats, stats),
-                   [_trace_from_json(t) for t in traces])
+                   [_trace_from_json(t) for t in traces], [_flat_from_json(StepTrace, s) for s in steps])
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ Every file is, at every moment, a whole trace that Perfetto opens: `flush` write
 filled to a temporary name and renames it over the old one. Requests are encoded once, as they are
 added; a flush only joins bytes, so flushing often costs little. When a file holds R requests the
 next one starts, and only the newest `max_files` files stay: a writer never holds more than
-max_files * R requests on disk. Files of earlier runs are left alone.
+max_files * R requests on disk. Files of earlier runs are left alone. The engine's steps
+(`add_step`) go into the file being filled, beside the requests they served.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import time
 from collections import deque
 from pathlib import Path
 
-from ferry.metrics.chrome_trace import process_name_event, trace_events
-from ferry.metrics.tracing import RequestTrace
+from ferry.metrics.chrome_trace import process_name_event, step_event, steps_track_event, trace_events
+from ferry.metrics.tracing import RequestTrace, StepTrace
 
 
 class TraceWriter:
@@ -32,7 +33,8 @@ class TraceWriter:
         self.max_files = max_files
         self._prefix = f"ferry-trace-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         self._index = 1
-        self._fragments: list[bytes] = []  # the current file's requests, encoded
+        self._fragments: list[bytes] = []  # the current file's requests and steps, encoded
+        self._num_requests = 0  # in the current file
         self._unwritten = False
         self._written: deque[Path] = deque()  # oldest first
 
@@ -46,18 +48,25 @@ class TraceWriter:
         fills the current file."""
         self._fragments.append(json.dumps(trace_events(trace), separators=(",", ":")).encode()[1:-1])
         self._unwritten = True
-        if len(self._fragments) >= self.requests_per_file:
+        self._num_requests += 1
+        if self._num_requests >= self.requests_per_file:
             self.flush()
             self._index += 1
             self._fragments = []
+            self._num_requests = 0
+
+    def add_step(self, step: StepTrace) -> None:
+        """Take an engine step (its span on the steps' track of the file being filled)."""
+        self._fragments.append(json.dumps(step_event(step), separators=(",", ":")).encode())
+        self._unwritten = True
 
     def flush(self) -> None:
         """Write the current file, if something was added since it was last written."""
         if not self._unwritten:
             return
         path = self.directory / f"{self._prefix}-{self._index:04d}.json"
-        head = json.dumps(process_name_event(), separators=(",", ":")).encode()
-        body = b",".join([head, *self._fragments])
+        head = [json.dumps(e, separators=(",", ":")).encode() for e in (process_name_event(), steps_track_event())]
+        body = b",".join([*head, *self._fragments])
         temporary = path.with_suffix(".tmp")
         temporary.write_bytes(b'{"displayTimeUnit":"ms","traceEvents":[' + body + b"]}")
         os.replace(temporary, path)

@@ -17,6 +17,12 @@ rather than a span per step: a trace grows with what happened to the request (ch
 preemptions), not with its length. A recompute is the prefill of a request resumed after a
 preemption (its prompt and the output so far). When a request finishes, its `RequestTrace` goes to
 the sink and the tracer forgets it, so its memory is bounded by the requests in flight.
+
+Given a `step_sink`, the tracer also hands it each step as a `StepTrace`: its batch (prefill chunks,
+decodes, tokens), its time and, given `bound`, its roofline bound (the least its FLOPs and bytes
+allow: ferry/bench/roofline.py). Requests' spans name the steps they took part in (a chunk its
+`step`, a decode run its `first_step` and `last_step`), so that a trace shows each request beside
+the engine steps that served it (metrics/chrome_trace.py draws the links).
 """
 
 from __future__ import annotations
@@ -57,10 +63,26 @@ class RequestTrace:
     events: tuple[TraceEvent, ...]
 
 
+@dataclass(frozen=True)
+class StepTrace:
+    """One engine step: what it computed, how long it took, and the least it could have taken."""
+
+    step_id: int
+    start: float  # seconds of time.monotonic()
+    duration: float
+    prefill_chunks: int  # requests that brought prompt (or recomputed) tokens
+    prefill_tokens: int
+    decodes: int  # requests that brought one new token (and any proposals to verify)
+    tokens: int  # every token the step computed
+    bound: float | None = None  # seconds: its roofline bound, when the tracer was given one
+
+
 @dataclass
 class _DecodeRun:
     start: float
     end: float
+    first_step: int
+    last_step: int
     steps: int = 1
 
 
@@ -85,8 +107,13 @@ class RequestTracer:
     """Follows the scheduler's requests (ids as the scheduler knows them: one per sequence, so the n
     completions of a request are n tracks) and hands each finished one's trace to `sink`."""
 
-    def __init__(self, sink: Callable[[RequestTrace], None]) -> None:
+    def __init__(
+        self, sink: Callable[[RequestTrace], None], step_sink: Callable[[StepTrace], None] | None = None,
+        bound: Callable[[SchedulerOutput], float] | None = None,
+    ) -> None:
         self._sink = sink
+        self._step_sink = step_sink
+        self._bound = bound
         self._timelines: dict[str, _Timeline] = {}
         self._tracks = itertools.count(1)
 
@@ -106,7 +133,9 @@ class RequestTracer:
         for item in output.scheduled:
             timeline = self._timelines.get(item.request_id)
             if timeline is not None:
-                self._computed(timeline, item, start, end)
+                self._computed(timeline, item, start, end, output.step_id)
+        if self._step_sink is not None and output.scheduled:
+            self._step_sink(self._step_trace(output, start, end))
         for update in updates:
             timeline = self._timelines.get(update.request_id)
             if timeline is None:
@@ -121,19 +150,28 @@ class RequestTracer:
             if request_id in self._timelines:
                 self._finish(request_id, reason, now)
 
+    def _step_trace(self, output: SchedulerOutput, start: float, end: float) -> StepTrace:
+        prefills = [len(s.token_ids) for s in output.scheduled if not is_decode(s)]
+        return StepTrace(
+            output.step_id, start, end - start, len(prefills), sum(prefills), len(output.scheduled) - len(prefills),
+            output.num_scheduled_tokens, self._bound(output) if self._bound is not None else None,
+        )
+
     # ---- one request ----
 
-    def _computed(self, timeline: _Timeline, item: ScheduledRequest, start: float, end: float) -> None:
+    def _computed(self, timeline: _Timeline, item: ScheduledRequest, start: float, end: float, step: int) -> None:
         if item.new:
             self._admitted(timeline, item, start)
         if item.start_pos < timeline.known_tokens:
             name = PREFILL if timeline.preemptions == 0 else RECOMPUTE
-            args = {"start": item.start_pos, "tokens": len(item.token_ids), "cached_tokens": timeline.cached_tokens}
+            args = {"start": item.start_pos, "tokens": len(item.token_ids), "cached_tokens": timeline.cached_tokens,
+                    "step": step}
             timeline.events.append(TraceEvent(name, start, end - start, args))
         elif timeline.decode_run is None:
-            timeline.decode_run = _DecodeRun(start, end)
+            timeline.decode_run = _DecodeRun(start, end, step, step)
         else:
             timeline.decode_run.end = end
+            timeline.decode_run.last_step = step
             timeline.decode_run.steps += 1
         timeline.computed_tokens = item.start_pos + len(item.token_ids)
 
@@ -180,5 +218,11 @@ class RequestTracer:
     def _end_decode_run(timeline: _Timeline) -> None:
         run = timeline.decode_run
         if run is not None:
-            timeline.events.append(TraceEvent(DECODE, run.start, run.end - run.start, {"steps": run.steps}))
+            args = {"steps": run.steps, "first_step": run.first_step, "last_step": run.last_step}
+            timeline.events.append(TraceEvent(DECODE, run.start, run.end - run.start, args))
             timeline.decode_run = None
+
+
+def is_decode(item: ScheduledRequest) -> bool:
+    """One new token to sample after (and any proposals to verify): not a chunk of a prompt."""
+    return item.sample and len(item.token_ids) - item.num_draft_tokens == 1

@@ -92,6 +92,7 @@ class ServerState:
         self.engine = engine
         if self.traces is not None:
             engine.trace_sink = self.traces.add
+            engine.step_trace_sink = self.traces.add_steps
         engine.view_sink = self.dashboard.add
         if self.dashboard.num_watchers:
             engine.watch(True)
