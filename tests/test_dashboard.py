@@ -114,7 +114,7 @@ def test_the_block_map_shows_owners_sharing_and_the_prefix_cache():
     names = [r[0] for r in view["requests"]]
     assert sorted(names) == ["first", "second"]
     for block in first[:4]:
-        assert cells[block] == SHARED and fill[block] == 1.0
+        assert cells[block] == SHARED and fill[block] == 100
     for request, blocks in (("first", first), ("second", second)):
         for block in blocks[4:]:
             assert cells[block] == names.index(request)
@@ -124,7 +124,7 @@ def test_the_block_map_shows_owners_sharing_and_the_prefix_cache():
     view = block_map(engine.scheduler)
     # Freed, but their full blocks stay findable: cached, and empty.
     assert view["requests"] == [] and view["map"]["cells"].count(CACHED) >= 4
-    assert all(f == 0.0 for f in view["map"]["fill"])
+    assert all(f == 0 for f in view["map"]["fill"])
 
 
 def test_a_large_pool_is_shrunk_to_at_most_map_cells():
@@ -160,7 +160,7 @@ def test_the_feed_watches_while_someone_reads_and_skips_what_a_slow_reader_misse
         for i in range(2000):  # more than the feed keeps
             feed.add({"time": float(i), "running": 1, "waiting": 0, "steps": [[float(i), 0.01, 0, 0, 1, 1, 0.001]]})
         feed.add({"time": 2000.0, "running": 2, "waiting": 5, "steps": [],
-                  "map": {"blocks_per_cell": 1, "cells": [0, -1], "fill": [1.0, 0.0]}, "requests": [["r", 3, 1]]})
+                  "map": {"blocks_per_cell": 1, "cells": [0, -1], "fill": [100, 0]}, "requests": [["r", 3, 1]]})
         second = json.loads((await events.__anext__())[6:])
         await events.aclose()
         return first, second
@@ -279,3 +279,15 @@ def test_a_browser_sees_live_panels(server, tmp_path):
             t.join()
     assert elsewhere == []
     assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+
+
+def test_the_cost_benchmark_runs_both_sides(tmp_path):
+    from ferry.bench import dashboard_cost
+
+    out = tmp_path / "cost.json"
+    dashboard_cost.main(["--rounds", "2", "--num-prompts", "4", "--concurrency", "2", "--input-len", "8",
+                         "--output-len", "8", "--json", str(out), "--", "--max-num-seqs", "4"])
+    result = json.loads(out.read_text())
+    unwatched, watched = result["rounds"]
+    assert not unwatched["watched"] and watched["watched"] and watched["events"] >= 1
+    assert result["ratio"] == pytest.approx(watched["output_tok_s"] / unwatched["output_tok_s"])

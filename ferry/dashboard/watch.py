@@ -11,7 +11,9 @@ Nothing is done for the steps between samples but a clock read, so the cost is b
 rates, not by the step rate: a described step is one pass over its scheduled requests (the
 roofline bound needs each one's context), and a block map is one pass over the pool, done in numpy
 and shrunk to at most MAP_CELLS cells (a cell shows the state of its first block and how full it
-is). Without a watcher the engine holds no EngineWatch, and a step costs one `is None` test.
+is, in percent). Measured on a CPU: a described step of 8 requests about 8 us, a map of 10,922
+blocks 0.35 ms, so well under a millisecond a second. Without a watcher the engine holds no
+EngineWatch, and a step costs one `is None` test.
 
 Block states in a map: FREE, CACHED (free, but its K/V still findable in the prefix cache), SHARED
 (held by more than one request), or the index of its one owner among the running requests, in the
@@ -127,9 +129,10 @@ def block_map(scheduler) -> dict[str, Any]:
     state[refs > 1] = SHARED
     in_use = refs > 0
     per_cell = -(-n // MAP_CELLS)
-    cells = state[::per_cell]
-    fill = np.add.reduceat(in_use, np.arange(0, n, per_cell)) / np.diff(np.append(np.arange(0, n, per_cell), n))
+    starts = np.arange(0, n, per_cell)
+    fill = np.add.reduceat(in_use, starts) / np.diff(np.append(starts, n))
     return {
-        "map": {"blocks_per_cell": per_cell, "cells": cells.tolist(), "fill": np.round(fill, 2).tolist()},
+        "map": {"blocks_per_cell": per_cell, "cells": state[starts].tolist(),
+                "fill": np.round(fill * 100).astype(int).tolist()},
         "requests": requests,
     }
