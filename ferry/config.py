@@ -262,6 +262,12 @@ class SchedulerConfig:
     decode_reserve: float = option(
         0.7, help="share of running requests' remaining output tokens that admission keeps KV blocks free for "
                   "(it decays to a tenth while nothing is preempted; 0: off)")
+    # False: vLLM's scheduling without chunked prefill (core/scheduler.py): every prompt is prefilled
+    # whole, in a step of prefills alone, so a step must hold the longest prompt (max_model_len).
+    enable_chunked_prefill: bool = option(
+        True, help="cut long prompts into chunks that share steps with decodes; --no-enable-chunked-prefill: "
+                   "prefill every prompt whole, in steps without decodes (then --max-num-batched-tokens must be "
+                   "at least --max-model-len)")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -270,6 +276,17 @@ class SchedulerConfig:
             raise ValueError(f"decode_reserve must be in [0, 1], got {self.decode_reserve}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        self._check_whole_prompts_fit()
+
+    def _check_whole_prompts_fit(self) -> None:
+        """Without chunked prefill a prompt runs in one step, so a budget below the context would
+        leave longer prompts waiting forever; refused here, once, as vLLM refuses it."""
+        budget = self.max_num_batched_tokens
+        if not self.enable_chunked_prefill and budget is not None and budget < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({self.max_model_len}): without "
+                "chunked prefill every prompt is prefilled whole in one step, so a step must hold the longest; "
+                "raise max_num_batched_tokens or lower max_model_len (or enable chunked prefill)")
 
 
 # Speculative decoding (ferry/spec): how proposals are made. vLLM's speculative_config keys, of
@@ -462,6 +479,7 @@ class EngineConfig:
 
         - dtype "auto", max_model_len None: ModelConfig.from_pretrained, from config.json and the device;
         - max_num_batched_tokens None: 2048 on a CPU; on a GPU the context, clamped to [8192, 16384];
+          without chunked prefill at least the context (vLLM's rule: a whole prompt fits a step);
         - enforce_eager None: decode steps replay CUDA graphs on a CUDA device, and run eagerly
           elsewhere (padding buys nothing there);
         - async_scheduling None: on a CUDA device, where the host's work can hide behind the
@@ -475,6 +493,8 @@ class EngineConfig:
         if values["max_num_batched_tokens"] is None:
             values["max_num_batched_tokens"] = (
                 max(8192, min(model_config.max_model_len, 16384)) if device != "cpu" else 2048)
+            if not values["enable_chunked_prefill"]:
+                values["max_num_batched_tokens"] = max(values["max_num_batched_tokens"], model_config.max_model_len)
         if values["enforce_eager"] is None:
             values["enforce_eager"] = not on_cuda
         if values["async_scheduling"] is None:

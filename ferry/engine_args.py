@@ -6,8 +6,8 @@ the field `block_size` is `--block-size`, a boolean `enable_prefix_caching` is
 `--enable-prefix-caching/--no-enable-prefix-caching`. `engine_config` turns the parsed options into
 the `EngineConfig`. vLLM's launch lines work unchanged: an option with vLLM's meaning that ferry has
 no other value for yet (`--tensor-parallel-size 2`) is an error naming the
-option and the value, and an option that changes nothing in ferry (`--enable-chunked-prefill`,
-always on) is accepted and says so in its help.
+option and the value, and an option that changes nothing in ferry (`--swap-space`) is accepted and
+says so in its help.
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     vllm = parser.add_argument_group("vLLM's options ferry has one value for")
     vllm.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                       help="GPUs per replica; ferry runs on one (tensor parallelism is not built yet)")
-    vllm.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                      help="always on in ferry: long prompts are cut into chunks that share steps with decodes")
     vllm.add_argument("--swap-space", type=float, default=0,
                       help="accepted, no effect: ferry preempts by recompute and swaps nothing to host memory")
     vllm.add_argument("--trust-remote-code", action="store_true",
@@ -83,8 +81,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     error naming any option whose value ferry lacks."""
     _only(args.tensor_parallel_size == 1, "--tensor-parallel-size", args.tensor_parallel_size,
           "ferry runs on one GPU; tensor parallelism is not built yet")
-    _only(args.enable_chunked_prefill, "--no-enable-chunked-prefill", "",
-          "ferry always chunks long prompts (a step mixes prefill chunks with decodes)")
     return {name: getattr(args, name) for name, option in ENGINE_OPTIONS.items() if option.flag and name != "model"}
 
 

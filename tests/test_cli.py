@@ -63,7 +63,8 @@ def test_serve_help_documents_every_flag_with_its_default(capsys):
     (["-tp", "4"], "--tensor-parallel-size 4"),
     (["--kv-cache-dtype", "fp8_e5m2"], "argument --kv-cache-dtype: invalid choice: 'fp8_e5m2'"),
     (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
-    (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill: ferry always chunks"),
+    (["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"],
+     "max_num_batched_tokens (512) is smaller than max_model_len (2048)"),
 ])
 def test_values_ferry_lacks_are_errors_naming_the_flag(capsys, argv, message):
     code, out = run_cli(capsys, "serve", *argv)

@@ -142,6 +142,8 @@ BENCH_COMMANDS: tuple[BenchCommand, ...] = (
                  _module_args("ferry.bench.latency"), "ferry.bench.latency"),
     BenchCommand("soak", "overload a ferry server for a long time: one outcome per request, RSS, gauges, "
                  "Retry-After truth", add_soak_args, "ferry.bench.soak"),
+    BenchCommand("policies", "one arrival trace served by static, dynamic and continuous batching, compared",
+                 _module_args("ferry.bench.policies"), "ferry.bench.policies"),
 )
 
 

@@ -20,6 +20,14 @@ and of its own. Outputs often end early (EOS, stop strings), so the share adapts
 `decode_reserve` (0.7), falls step by step to a tenth while nothing is preempted, and comes back at
 a preemption (after SGLang's new_token_ratio). A request is always admitted when none runs.
 
+Without chunked prefill (`enable_chunked_prefill=False`, vLLM's `--no-enable-chunked-prefill`) the
+same accounting is scheduled as vLLM does it then: a waiting request is admitted only when its whole
+remaining prompt fits the step's budget, and a step that admits anyone runs those prefills alone;
+the running requests decode in the steps that admit nobody. Prefills thus go first, and a stream of
+arrivals stalls every decode for a whole prompt's step (which chunked prefill exists to avoid).
+The budget holds at least max_model_len tokens (SchedulerConfig checks it), so every prompt, and
+every preempted request's recompute, fits a step of its own.
+
 Asynchronous scheduling (the engine's `async_scheduling`) calls schedule() for step N+1 before
 update_from_output() of step N. A request that step N samples from then has one token in flight: it
 is scheduled to decode that unknown token (None in its token_ids), unless the token is sure to be its
@@ -123,12 +131,55 @@ class Scheduler:
     # ---- one step ----
 
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         sampling: list[tuple[Request, int]] = []
         copy_blocks: list[tuple[int, int]] = []
         self.kv_cache.begin_step()
         self._preempted_ids = []
+        plan = self._plan_chunked if self.config.enable_chunked_prefill else self._plan_whole_prompts
+        budget = plan(self.config.max_num_batched_tokens, scheduled, copy_blocks, sampling)
+        step_id = next(self._step_ids)
+        self._sampling[step_id] = sampling
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            finished_request_ids=self._take_finished_ids(),
+            copy_blocks=copy_blocks,
+            preempted_request_ids=self._preempted_ids,
+            step_id=step_id,
+        )
+
+    def _plan_chunked(
+        self, budget: int, scheduled: list[ScheduledRequest], copy_blocks: list[tuple[int, int]],
+        sampling: list[tuple[Request, int]],
+    ) -> int:
+        """The running requests first (decodes, and the rest of prompts that earlier steps cut),
+        then waiting requests' prompts in what the budget leaves, the last one perhaps cut. Returns
+        the budget left."""
+        budget = self._schedule_running(budget, scheduled, sampling)
+        self._adapt_reserve()
+        # Admitting new work right after a preemption would only thrash the pool.
+        if not self._preempted_ids:
+            budget = self._admit_waiting(budget, scheduled, copy_blocks, sampling)
+        return budget
+
+    def _plan_whole_prompts(
+        self, budget: int, scheduled: list[ScheduledRequest], copy_blocks: list[tuple[int, int]],
+        sampling: list[tuple[Request, int]],
+    ) -> int:
+        """Without chunked prefill: whole prompts of waiting requests alone, or, when nobody is
+        admitted, the running requests' decodes (module docstring). Returns the budget left."""
+        budget = self._admit_waiting(budget, scheduled, copy_blocks, sampling)
+        if not scheduled:
+            budget = self._schedule_running(budget, scheduled, sampling)
+        self._adapt_reserve()
+        return budget
+
+    def _schedule_running(
+        self, budget: int, scheduled: list[ScheduledRequest], sampling: list[tuple[Request, int]],
+    ) -> int:
+        """What each running request lacks, in arrival order, preempting the latest admitted where
+        the pool runs dry. Returns the budget left."""
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -147,20 +198,7 @@ class Scheduler:
             scheduled.append(self._scheduled(request, num_new, new_blocks, sampling, drafts=drafts))
             budget -= num_new + len(drafts)
             i += 1
-        self._adapt_reserve()
-        # Admitting new work right after a preemption would only thrash the pool.
-        if not self._preempted_ids:
-            budget = self._admit_waiting(budget, scheduled, copy_blocks, sampling)
-        step_id = next(self._step_ids)
-        self._sampling[step_id] = sampling
-        return SchedulerOutput(
-            scheduled=scheduled,
-            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
-            finished_request_ids=self._take_finished_ids(),
-            copy_blocks=copy_blocks,
-            preempted_request_ids=self._preempted_ids,
-            step_id=step_id,
-        )
+        return budget
 
     @staticmethod
     def _drafts_to_verify(request: Request, num_new: int, budget: int) -> list[int]:
@@ -251,7 +289,10 @@ class Scheduler:
                 if self.kv_cache.pool.num_free_blocks - prompt_blocks < reserved + own:
                     break  # first come, first served: nobody overtakes the head of the queue
                 reserved += own
-            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            num_new = request.num_tokens - hit.num_tokens
+            if num_new > budget and not self.config.enable_chunked_prefill:
+                break  # a prompt is prefilled whole: it waits for a step with room for all of it
+            num_new = min(num_new, budget)
             new_blocks = self.kv_cache.allocate_slots(request, num_new, hit)
             if new_blocks is None:
                 break  # first come, first served: nobody overtakes the head of the queue
