@@ -23,6 +23,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 from ferry.bench.server_overhead import _wait_ready
@@ -105,10 +106,15 @@ def run(args: argparse.Namespace) -> dict:
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "ferry", "serve", "--port", str(port), "--api-key", API_KEY, "--no-access-log",
                *args.serve_args]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tempfile.NamedTemporaryFile("w+", prefix="dashboard-cost-server-", suffix=".log", delete=False)
+    server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_ready(url, server, timeout_s=900)
         result = asyncio.run(bench(args, url))
+    except BaseException:
+        log.flush()
+        print(f"the server's log ({log.name}) ends:\n" + "".join(open(log.name).readlines()[-30:]), file=sys.stderr)
+        raise
     finally:
         server.terminate()
         server.wait(30)
