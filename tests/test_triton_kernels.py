@@ -123,8 +123,16 @@ def test_store_kv_writes_slots_and_skips_padding(dtype):
     cache = torch.randn(2, num_slots // 16, 16, NUM_KV_HEADS, head_dim, generator=g).to(DEVICE, dtype)
     expected = cache.clone()
     reference_store_kv(k, v, expected, slots)
+    head_major = head_major_view(cache)  # the same values in head-major storage
     store_kv(k, v, cache, slots)
     assert torch.equal(cache, expected)
+    store_kv(k, v, head_major, slots)
+    assert torch.equal(head_major, expected)
+
+
+def head_major_view(cache: torch.Tensor) -> torch.Tensor:
+    """cache's values in (2, blocks, heads, block_size, head_dim) storage, seen in cache's shape."""
+    return cache.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -4,8 +4,10 @@ A token's K (and V) is one row of `num_kv_heads * head_dim` contiguous elements,
 in the cache, because the cache of a layer is laid out
 
     (2, num_blocks, block_size, num_kv_heads, head_dim)   contiguous
-         slot = block * block_size + offset  ->  K row at slot * (num_kv_heads * head_dim),
+         slot = block * block_size + offset  ->  K row at block * stride(1) + offset * stride(2),
                                                  V row at the same offset + kv_cache.stride(0)
+
+(A view of that shape over head-major storage works too: the strides place each head's part.)
 
 so a program copies a (BLOCK_T tokens, row) tile of K and one of V, each row to its own slot.
 Slot -1 marks a padding row (a fixed-size batch carries some): its row is masked out, never written.
@@ -39,8 +41,9 @@ def _store_kv_kernel(
     k_scale_ptr, v_scale_ptr,  # (num_kv_heads,) float32: read with an FP8 cache only
     stride_k_tok, stride_v_tok,
     stride_cache_kv,  # elements from the K half of the cache to the V half
+    stride_cache_block, stride_cache_tok, stride_cache_head,
     ROW: tl.constexpr,  # num_kv_heads * head_dim
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_ROW: tl.constexpr,  # BLOCK_ROW: ROW rounded up to a power of two
     FP8: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -53,9 +56,12 @@ def _store_kv_kernel(
     mask = (slots >= 0)[:, None] & (cols < ROW)[None, :]
     k = tl.load(k_ptr + tokens[:, None] * stride_k_tok + cols[None, :], mask=mask)
     v = tl.load(v_ptr + tokens[:, None] * stride_v_tok + cols[None, :], mask=mask)
-    dst = cache_ptr + slots[:, None] * ROW + cols[None, :]
+    head = cols // HEAD_DIM
+    # A slot's row: one contiguous run of ROW elements in the usual layout; a run of HEAD_DIM per
+    # head where the cache's storage is head-major (kv_cache.py), its strides say which.
+    row = (slots // PAGE_SIZE) * stride_cache_block + (slots % PAGE_SIZE) * stride_cache_tok
+    dst = cache_ptr + row[:, None] + (head * stride_cache_head + cols % HEAD_DIM)[None, :]
     if FP8:
-        head = cols // HEAD_DIM
         k_scale = tl.load(k_scale_ptr + head, mask=cols < ROW, other=1.0)
         v_scale = tl.load(v_scale_ptr + head, mask=cols < ROW, other=1.0)
         k = to_fp8(k.to(tl.float32), k_scale[None, :])
@@ -73,13 +79,14 @@ def store_kv(
 
     k, v: (num_tokens, num_kv_heads, head_dim), each token's heads contiguous (as views split out
     of a fused qkv projection are); kv_cache: contiguous (2, num_blocks, block_size, num_kv_heads,
-    head_dim); slot_mapping: (num_tokens,) int64; kv_scales: K's and V's (num_kv_heads,) float32
+    head_dim), or a view of it in that shape over other storage (each head's row contiguous);
+    slot_mapping: (num_tokens,) int64; kv_scales: K's and V's (num_kv_heads,) float32
     scales, for an FP8 cache.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    assert kv_cache.is_contiguous(), "the slot arithmetic assumes a contiguous cache"
+    assert kv_cache.stride(-1) == 1, "each head's row is contiguous"
     k, v = _rows_contiguous(k), _rows_contiguous(v)
     row = num_kv_heads * head_dim
     block_t = _tokens_per_program(num_tokens, k.device)
@@ -89,8 +96,8 @@ def store_kv(
         k, v, kv_cache, slot_mapping, num_tokens,
         k_scale, v_scale,
         k.stride(0), v.stride(0),
-        kv_cache.stride(0),
-        ROW=row, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_ROW=triton.next_power_of_2(row), FP8=fp8,
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        ROW=row, HEAD_DIM=head_dim, PAGE_SIZE=kv_cache.shape[2], BLOCK_T=block_t, BLOCK_ROW=triton.next_power_of_2(row), FP8=fp8,
         # One warp per 512 bytes of the tile: each lane moves one 16-byte vector per tensor.
         num_warps=max(1, min(8, tile_bytes // _BYTES_PER_WARP)), **pdl_launch(k.device),
     )
