@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     from ferry.bench.cli import add_bench_command
 
     add_bench_command(commands)
+    from ferry.doctor.cli import add_doctor_command
+
+    add_doctor_command(commands)
 
     args = parse(parser, argv)
     try:
