@@ -471,7 +471,7 @@ def test_client_errors_raise_typed_exceptions(client):
         client.completions.create(model="not-served", prompt="Hi")
 
 
-# ---- bar 3: the API key guards every route but /health and /version ----
+# ---- bar 3: the API key guards every route but /health, /version and the dashboard's static page ----
 
 
 def registered_routes() -> list[tuple[str, str]]:
@@ -491,7 +491,7 @@ def test_api_key_sweep(server):
     assert ("/v1/completions", "POST") in routes and ("/metrics", "GET") in routes
     routes.append(("/no/such/route", "GET"))
     for path, method in routes:
-        public = path in ("/health", "/ping", "/version")
+        public = path in ("/health", "/ping", "/version", "/dashboard")  # (the dashboard's static page)
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY},
                         {"Authorization": f"Basic {API_KEY}"}):
             response = httpx.request(method, server.url + path, headers=headers, json={}, timeout=30)
