@@ -16,7 +16,6 @@ not the server's.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import socket
@@ -24,7 +23,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 from ferry.bench.server_overhead import _wait_ready
 from ferry.bench.throughput import command_line
@@ -32,63 +34,65 @@ from ferry.bench.throughput import command_line
 API_KEY = "dashboard-cost"
 
 
-async def run_round(session, url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> float:
-    """Output tokens per second of one round."""
-    queue: asyncio.Queue[list[int]] = asyncio.Queue()
-    for prompt in prompts:
-        queue.put_nowait(prompt)
-    generated = 0
+def post_completion(url: str, body: dict) -> int:
+    """One completion; its output tokens."""
+    request = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.loads(response.read())["usage"]["completion_tokens"]
 
-    async def client():
-        nonlocal generated
-        while not queue.empty():
-            prompt = queue.get_nowait()
-            body = {"prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0}
-            async with session.post(url + "/v1/completions", json=body) as response:
-                reply = await response.json()
-                if response.status != 200:
-                    raise RuntimeError(f"the server answered {response.status}: {reply}")
-                generated += reply["usage"]["completion_tokens"]
 
+def run_round(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> float:
+    """Output tokens per second of one round: `concurrency` clients, each sending the next prompt
+    as soon as its last completion came back."""
+    bodies = [{"prompt": p, "max_tokens": output_len, "ignore_eos": True, "temperature": 0} for p in prompts]
     start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(concurrency)))
+    with ThreadPoolExecutor(concurrency) as pool:
+        generated = sum(pool.map(lambda body: post_completion(url, body), bodies))
     return generated / (time.perf_counter() - start)
 
 
-async def watch(session, url: str, stop: asyncio.Event, seen: list[int]) -> None:
-    """Read the dashboard's event stream as the page does, until `stop`; counts the events."""
-    async with session.get(url + "/dashboard/events") as response:
-        async for line in response.content:
-            if line.startswith(b"data: "):
-                event = json.loads(line[6:])
-                seen.append(len(event.get("steps", ())))
-            if stop.is_set():
-                return
+class Watcher(threading.Thread):
+    """Reads the dashboard's event stream as the page does, counting events, until stopped."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url = url
+        self.events = self.steps = 0
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        request = urllib.request.Request(self.url + "/dashboard/events",
+                                         headers={"Authorization": f"Bearer {API_KEY}"})
+        with urllib.request.urlopen(request, timeout=600) as response:
+            for line in response:
+                if line.startswith(b"data: "):
+                    self.events += 1
+                    self.steps += len(json.loads(line[6:]).get("steps", ()))
+                if self.stopped.is_set():
+                    return
 
 
-async def bench(args: argparse.Namespace, url: str) -> dict:
-    import aiohttp
-
+def bench(args: argparse.Namespace, url: str) -> dict:
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, 1000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
-    headers = {"Authorization": f"Bearer {API_KEY}"}
-    timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(headers=headers, timeout=timeout) as session:
-        await run_round(session, url, prompts[:args.concurrency], 8, args.concurrency)  # warm-up
-        rounds = []
-        for i in range(args.rounds):
-            watched = i % 2 == 1
-            stop, seen = asyncio.Event(), []
-            watcher = asyncio.create_task(watch(session, url, stop, seen)) if watched else None
-            if watched:
-                await asyncio.sleep(2.0)  # the engine's first watch measures the hardware once
-            tok_s = await run_round(session, url, prompts, args.output_len, args.concurrency)
-            if watcher is not None:
-                stop.set()
-                await asyncio.wait_for(watcher, timeout=5)
-            rounds.append({"watched": watched, "output_tok_s": tok_s, "events": len(seen), "steps_seen": sum(seen)})
-            print(f"round {i + 1}: {'watched  ' if watched else 'unwatched'} {tok_s:10,.1f} output tok/s"
-                  + (f"  ({len(seen)} events, {sum(seen)} steps described)" if watched else ""), flush=True)
+    run_round(url, prompts[:args.concurrency], 8, args.concurrency)  # warm-up
+    rounds = []
+    for i in range(args.rounds):
+        watched = i % 2 == 1
+        watcher = Watcher(url) if watched else None
+        if watcher is not None:
+            watcher.start()
+            time.sleep(2.0)  # the engine's first watch measures the hardware once
+        tok_s = run_round(url, prompts, args.output_len, args.concurrency)
+        events = steps = 0
+        if watcher is not None:
+            watcher.stopped.set()
+            watcher.join(timeout=5)
+            events, steps = watcher.events, watcher.steps
+        rounds.append({"watched": watched, "output_tok_s": tok_s, "events": events, "steps_seen": steps})
+        print(f"round {i + 1}: {'watched  ' if watched else 'unwatched'} {tok_s:10,.1f} output tok/s"
+              + (f"  ({events} events, {steps} steps described)" if watched else ""), flush=True)
     off = [r["output_tok_s"] for r in rounds if not r["watched"]]
     on = [r["output_tok_s"] for r in rounds if r["watched"]]
     return {"rounds": rounds, "unwatched_tok_s": statistics.mean(off), "watched_tok_s": statistics.mean(on),
@@ -110,7 +114,7 @@ def run(args: argparse.Namespace) -> dict:
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_ready(url, server, timeout_s=900)
-        result = asyncio.run(bench(args, url))
+        result = bench(args, url)
     except BaseException:
         log.flush()
         print(f"the server's log ({log.name}) ends:\n" + "".join(open(log.name).readlines()[-30:]), file=sys.stderr)
