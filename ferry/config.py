@@ -50,7 +50,53 @@ def option(
 # config.json fields that must be positive integers when present (a -1 would surface far away, as
 # "no memory is left for the KV cache" or a shape error).
 _POSITIVE_FIELDS = ("max_position_embeddings", "vocab_size", "hidden_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size")
+                    "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                    "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                    "shared_expert_intermediate_size", "decoder_sparse_step")
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """A mixture-of-experts model's experts and routing, in Hugging Face's names. Each token goes to
+    the `num_experts_per_tok` experts of highest router probability (softmax over all experts), and
+    their outputs are summed, weighted by those probabilities (renormalized to sum to one where
+    `norm_topk_prob`)."""
+
+    num_experts: int  # routed experts in each sparse layer
+    num_experts_per_tok: int  # k
+    moe_intermediate_size: int  # of one routed expert's SiLU-gated MLP
+    shared_expert_intermediate_size: int | None  # Qwen2-MoE's expert that every token goes through; None: none
+    norm_topk_prob: bool
+    sparse_layers: tuple[int, ...]  # the decoder layers whose MLP is the experts; the others' is dense
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok must be between 1 and the {self.num_experts} experts, got "
+                             f"{self.num_experts_per_tok}")
+
+
+def read_moe_config(hf: dict[str, Any]) -> MoeConfig | None:
+    """The experts of config.json's architecture; None for a dense model (and a Qwen MoE config of
+    no experts). The names differ: Mixtral has experts of `intermediate_size` in every layer and
+    always renormalizes; Qwen's MoE models have experts of `moe_intermediate_size` in the layers that
+    are not in `mlp_only_layers` and whose number + 1 is a multiple of `decoder_sparse_step`, as
+    transformers builds them. The number of experts is `num_local_experts` or `num_experts`, which
+    transformers takes for one another (and writes Qwen3-MoE's under the first)."""
+    architecture = hf["architectures"][0]
+    if architecture not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return None
+    layers = range(hf["num_hidden_layers"])
+    num_experts = hf["num_local_experts"] if "num_local_experts" in hf else hf["num_experts"]
+    if architecture == "MixtralForCausalLM":
+        return MoeConfig(num_experts, hf["num_experts_per_tok"], hf["intermediate_size"], None, True, tuple(layers))
+    if not num_experts:
+        return None
+    dense, step = set(hf.get("mlp_only_layers") or ()), hf.get("decoder_sparse_step", 1)
+    shared = hf["shared_expert_intermediate_size"] if architecture == "Qwen2MoeForCausalLM" else None
+    return MoeConfig(
+        num_experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"], shared,
+        bool(hf.get("norm_topk_prob", False)), tuple(i for i in layers if i not in dense and (i + 1) % step == 0),
+    )
 
 
 @dataclass(frozen=True)
@@ -114,6 +160,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.num_heads
 
+    @property
+    def moe(self) -> MoeConfig | None:
+        """The experts of a mixture-of-experts model; None for a dense one."""
+        return read_moe_config(self.hf_config)
+
     @classmethod
     def from_pretrained(
         cls,
@@ -141,6 +192,7 @@ class ModelConfig:
             value = hf_config.get(name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{config_file}: {name} must be a positive integer, got {value!r}")
+        read_moe_config(hf_config)  # (an impossible routing fails here, before any weights)
         if tokenizer is not None and not (Path(tokenizer) / "tokenizer.json").is_file():
             raise FileNotFoundError(f"tokenizer: no tokenizer.json in {tokenizer}")
         limit = hf_config.get("max_position_embeddings", 2048)

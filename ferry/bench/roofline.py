@@ -18,6 +18,18 @@ read whole as the lm_head), the cached context's K and V, and the new tokens' K 
 Activations, logits and norm arithmetic are left out: they are small, or avoidable by fusion, and a
 bound must never be slower than what is possible.
 
+A mixture of experts (ModelConfig.moe) routes each token to k of the E experts of each of its L_s
+sparse layers, so P above is the P_a a token computes with, and the linear weights a step of
+T = Σq_i tokens reads are those of the experts its tokens touch, at most min(E, k T) a layer. With
+P_e one expert's weights (gate, up, down; the router and a shared expert are dense):
+
+    P_a     = P - L_s (E - k) P_e                      (in the FLOPs, for P)
+    P_read  = P - L_s (E - min(E, k T)) P_e            (in the bytes, for the linear weights)
+
+That is exact for one token (its k experts are distinct) and the most a step can read: tokens that
+share experts read fewer (E (1 - (1 - k/E)^T) on average under uniform routing, up to 1.6x fewer
+near k T = E), so for MoE the bytes bound routing that spreads a batch's tokens over the experts.
+
 With FP8 weights (quantization/) a linear weight is one byte and the linears' FLOPs run at the FP8
 peak; the lm_head, the embeddings and attention stay 16-bit:
 
@@ -40,7 +52,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-    from ferry.config import EngineConfig, ModelConfig
+    from ferry.config import EngineConfig, ModelConfig, MoeConfig
     from ferry.core.outputs import SchedulerOutput
 
 # (query_len, seq_len) of one scheduled request: q_i new tokens, ending at position seq_len - 1.
@@ -168,7 +180,8 @@ class StepCost(NamedTuple):
 
 @dataclass(frozen=True)
 class ModelCost:
-    """Parameter counts and shapes of a Llama-family model, from its config.json alone."""
+    """Parameter counts and shapes of a Llama-family model (and of its mixtures of experts), from
+    its config.json alone."""
 
     hidden_size: int
     vocab_size: int
@@ -183,6 +196,12 @@ class ModelCost:
     kv_itemsize: int
     linear_itemsize: int = 0  # bytes of a decoder layer's linear weight; 0: weight_itemsize
     fp8_linears: bool = False  # the linears' matmuls run in FP8
+    # A mixture of experts: `num_experts` routed experts of `expert_params` each (counted in
+    # linear_params) in each of `sparse_layers` layers, `experts_per_token` of them active; 0: dense.
+    sparse_layers: int = 0
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_params: int = 0
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, kv_itemsize: int | None = None) -> ModelCost:
@@ -190,28 +209,18 @@ class ModelCost:
         hf = config.hf_config
         fp8 = config.quantization_spec  # (FP8 weights: a byte each, scales aside)
         h, d = hf["hidden_size"], config.head_dim
-        q_size, kv_size = config.num_heads * d, config.num_kv_heads * d
-        bias = bool(hf.get("attention_bias", False))
-        qkv_bias = bias or config.architecture == "Qwen2ForCausalLM"  # Qwen2: q, k, v only
-        attn = h * (q_size + 2 * kv_size) + q_size * h  # q, k, v, o
-        if qkv_bias:
-            attn += q_size + 2 * kv_size
-        if bias:
-            attn += h
-        inter = hf["intermediate_size"]
-        mlp = 3 * h * inter  # gate, up, down
-        if hf.get("mlp_bias", False):
-            mlp += 2 * inter + h
         norms = 2 * h  # input_layernorm, post_attention_layernorm
-        if config.architecture == "Qwen3ForCausalLM":
+        if config.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
             norms += 2 * d  # q_norm, k_norm over each head
         return cls(
             hidden_size=h, vocab_size=config.vocab_size, num_layers=config.num_layers,
             num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=d,
-            linear_params=config.num_layers * (attn + mlp), norm_params=config.num_layers * norms + h,
+            linear_params=config.num_layers * _attention_params(config) + _feed_forward_params(config),
+            norm_params=config.num_layers * norms + h,
             tied=bool(hf.get("tie_word_embeddings", False)),
             weight_itemsize=config.dtype_bytes, kv_itemsize=kv_itemsize or config.dtype_bytes,
             linear_itemsize=1 if fp8 else config.dtype_bytes, fp8_linears=fp8 and fp8.activations != "none",
+            **_expert_fields(h, config.moe),
         )
 
     @property
@@ -222,6 +231,23 @@ class ModelCost:
     def num_params(self) -> int:
         """Every parameter, a tied embedding counted once."""
         return self.linear_params + self.norm_params + self.embedding_params * (1 if self.tied else 2)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token computes with: all but the experts it is not routed to."""
+        return self.num_params - self.linear_params + self.active_linear_params
+
+    @property
+    def active_linear_params(self) -> int:
+        """P_a: the linear weights one token computes with."""
+        inactive = self.num_experts - self.experts_per_token
+        return self.linear_params - self.sparse_layers * inactive * self.expert_params
+
+    def linear_params_read(self, num_tokens: int) -> int:
+        """P_read: the linear weights a step of `num_tokens` tokens reads, its experts at most
+        min(E, k T) a sparse layer."""
+        touched = min(self.num_experts, self.experts_per_token * num_tokens)
+        return self.linear_params - self.sparse_layers * (self.num_experts - touched) * self.expert_params
 
     @property
     def weight_bytes(self) -> int:
@@ -245,15 +271,55 @@ class ModelCost:
         if not step:
             return StepCost(0.0, 0.0)
         num_tokens = sum(q for q, _ in step)
-        flops = (2 * self.linear_params * num_tokens + 2 * self.embedding_params * sampled_rows
+        linear_flops = 2 * self.active_linear_params * num_tokens
+        flops = (linear_flops + 2 * self.embedding_params * sampled_rows
                  + sum(self.attention_flops(q, s) for q, s in step))
         gathered = min(num_tokens, self.vocab_size) * self.hidden_size
         lm_head = self.embedding_params if sampled_rows else 0
         head = max(gathered, lm_head) if self.tied else gathered + lm_head
-        weights = self.linear_params * self._linear_bytes + (self.norm_params + head) * self.weight_itemsize
+        weights = (self.linear_params_read(num_tokens) * self._linear_bytes
+                   + (self.norm_params + head) * self.weight_itemsize)
         kv = self.kv_bytes_per_token * sum(s for _, s in step)  # c_i read + q_i written = s_i
-        fp8_flops = 2 * self.linear_params * num_tokens if self.fp8_linears else 0
+        fp8_flops = linear_flops if self.fp8_linears else 0
         return StepCost(float(flops), float(weights + kv), float(fp8_flops))
+
+
+def _attention_params(config: ModelConfig) -> int:
+    """q, k, v and o of one layer, with their biases."""
+    hf, d = config.hf_config, config.head_dim
+    h, q_size, kv_size = hf["hidden_size"], config.num_heads * d, config.num_kv_heads * d
+    bias = bool(hf.get("attention_bias", False))
+    # Qwen2: biases on q, k and v only; Qwen2-MoE too, unless its config turns them off.
+    qkv_bias = bias or config.architecture == "Qwen2ForCausalLM" or (
+        config.architecture == "Qwen2MoeForCausalLM" and hf.get("qkv_bias", True))
+    params = h * (q_size + 2 * kv_size) + q_size * h
+    if qkv_bias:
+        params += q_size + 2 * kv_size
+    if bias:
+        params += h
+    return params
+
+
+def _feed_forward_params(config: ModelConfig) -> int:
+    """Every layer's MLP; a sparse layer's is its router (a row of h an expert), every expert (gate,
+    up, down) and a shared expert (the same, and its gate: a row of h)."""
+    hf, moe = config.hf_config, config.moe
+    dense = 3 * hf["hidden_size"] * hf["intermediate_size"]  # gate, up, down
+    if hf.get("mlp_bias", False):
+        dense += 2 * hf["intermediate_size"] + hf["hidden_size"]
+    if moe is None:
+        return config.num_layers * dense
+    h, shared = hf["hidden_size"], moe.shared_expert_intermediate_size
+    sparse = moe.num_experts * (h + 3 * h * moe.moe_intermediate_size) + (3 * h * shared + h if shared else 0)
+    return (config.num_layers - len(moe.sparse_layers)) * dense + len(moe.sparse_layers) * sparse
+
+
+def _expert_fields(h: int, moe: MoeConfig | None) -> dict[str, int]:
+    """ModelCost's fields of a mixture of experts; none for a dense model."""
+    if moe is None:
+        return {}
+    return dict(sparse_layers=len(moe.sparse_layers), num_experts=moe.num_experts,
+                experts_per_token=moe.num_experts_per_tok, expert_params=3 * h * moe.moe_intermediate_size)
 
 
 def schedule_bound(config: EngineConfig, hardware: Hardware | None = None) -> Callable[[SchedulerOutput], float]:

@@ -1,8 +1,9 @@
 """ModelConfig -> a ready model: built on the device in the model's dtype, then filled with weights.
 
 Loading is a name-for-name copy: every checkpoint tensor has a destination named exactly as in the
-checkpoint. Most destinations are parameters; projections that ferry merges into one matmul
-(q/k/v, gate/up) contribute one destination per checkpoint name, a view of their rows.
+checkpoint (up to a model's `checkpoint_renames`). Most destinations are parameters; projections
+that ferry merges into one matmul (q/k/v, gate/up) contribute one destination per checkpoint name, a
+view of their rows, and so do a mixture's experts, stacked into one weight per layer (w13, w2).
 
 With FP8 (quantization/): a checkpoint that holds float8 weights gets layers of its layout before
 the copy (`prepare_fp8`), and its scales are copied like weights (a scale per tensor spread over
@@ -21,6 +22,7 @@ from torch import nn
 
 from ferry.config import ModelConfig
 from ferry.layers.linear import MergedLinear
+from ferry.layers.moe import FusedMoE
 from ferry.layers.norm import RMSNorm
 from ferry.loader.checkpoint import checkpoint_files, iterate_tensors
 from ferry.models.registry import get_model_class
@@ -34,6 +36,8 @@ def load_model(model_config: ModelConfig, device: torch.device | str) -> nn.Modu
     if model_config.load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {model_config.load_format!r}")
     model_class = get_model_class(model_config.architecture)
+    if model_config.moe is not None and model_config.quantization_spec is not None:
+        raise ValueError(f"{model_config.architecture}: FP8 weights are not supported for mixtures of experts")
     # Find the files before building, so a wrong path fails in a moment, not after allocation.
     files = checkpoint_files(model_config.path) if model_config.load_format == "auto" else []
     with torch.device(device), _default_dtype(getattr(torch, model_config.dtype)):
@@ -70,7 +74,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     targets.update(optional)
     ignored = _ignored_names(model)
     unexpected = []
-    for name, tensor in _kv_scale_names(tensors):
+    for name, tensor in _kv_scale_names(_renamed(tensors, getattr(model, "checkpoint_renames", {}))):
         if name in ignored or name.endswith("rotary_emb.inv_freq"):
             continue  # old checkpoints saved the RoPE buffer; ferry derives it from the config
         if name not in targets:
@@ -123,6 +127,16 @@ def _kv_scale_names(tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tup
             yield name, tensor
 
 
+def _renamed(
+    tensors: Iterable[tuple[str, torch.Tensor]], renames: dict[str, str],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint names with each part a model renames (".block_sparse_moe." -> ".mlp.") replaced."""
+    for name, tensor in tensors:
+        for old, new in renames.items():
+            name = name.replace(old, new)
+        yield name, tensor
+
+
 def _fitted_scale(name: str, tensor: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
     """A quantization scale in the shape of its destination: (N, 1) per-channel scales as (N,), one
     scale per tensor spread over the rows it scales. Any other mismatch is an error."""
@@ -135,20 +149,31 @@ def _fitted_scale(name: str, tensor: torch.Tensor, dest: torch.Tensor) -> torch.
 
 
 def weight_targets(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Checkpoint tensor name -> the tensor it is copied into (a parameter or rows of one)."""
+    """Checkpoint tensor name -> the tensor it is copied into (a parameter or part of one)."""
     targets = {}
     for module_name, module in model.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        for param_name, param in module.named_parameters(recurse=False):
-            if isinstance(module, MergedLinear):
-                # model.layers.0.self_attn.qkv_proj -> model.layers.0.self_attn.{q,k,v}_proj
-                parent = module_name.rpartition(".")[0]
-                for shard, view in module.shard_views(param_name, param).items():
-                    targets[f"{parent}.{shard}.{param_name}"] = view
-            else:
-                targets[prefix + param_name] = param
+        targets.update(_module_targets(module_name, module))
     for name in _ignored_names(model):
         targets.pop(name, None)
+    return targets
+
+
+def _module_targets(module_name: str, module: nn.Module) -> dict[str, torch.Tensor]:
+    """Checkpoint name -> destination, for the module's own parameters. A module that stacks several
+    checkpoint tensors into one parameter says which part each fills: a MergedLinear, projections
+    beside it (self_attn.{q,k,v}_proj -> rows of self_attn.qkv_proj); a FusedMoE, every expert's
+    projections below it (mlp.experts.3.up_proj -> the up rows of mlp.experts.w13[3])."""
+    if isinstance(module, FusedMoE):
+        return {f"{module_name}.{name}": view for name, view in module.expert_views().items()}
+    targets = {}
+    prefix = f"{module_name}." if module_name else ""
+    for param_name, param in module.named_parameters(recurse=False):
+        if isinstance(module, MergedLinear):
+            parent = module_name.rpartition(".")[0]
+            for shard, view in module.shard_views(param_name, param).items():
+                targets[f"{parent}.{shard}.{param_name}"] = view
+        else:
+            targets[prefix + param_name] = param
     return targets
 
 

@@ -1,5 +1,6 @@
 """Llama, and Mistral which is the same network: pre-norm decoder layers of GQA attention with
-RoPE and a SiLU-gated MLP. Qwen2 and Qwen3 (qwen.py) reuse these classes with small changes.
+RoPE and a SiLU-gated MLP. Qwen2 and Qwen3 (qwen.py) reuse these classes with small changes, and
+the mixtures of experts (mixtral.py, qwen_moe.py) replace the MLP (`make_mlp`).
 
 Tokens arrive flat, many requests concatenated: (num_tokens,) ids and positions, and the
 ForwardContext says which request each token belongs to and where its KV cache lives.
@@ -73,13 +74,21 @@ class LlamaMLP(nn.Module):
         """From gate_up_proj's output: (num_tokens, 2 * intermediate) -> (num_tokens, hidden)."""
         return self.down_proj.forward_silu_and_mul(gate_up, self.act_fn)
 
+    def forward_rms_norm(
+        self, h: torch.Tensor, residual: torch.Tensor, norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(gate_up_proj(norm(h + residual))), h + residual): the decoder layer's entry to its
+        feed-forward block, the norm inside gate_up_proj where its GEMV serves the batch."""
+        gate_up, residual = self.gate_up_proj.forward_rms_norm(h, residual, norm)
+        return self(gate_up), residual
+
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, self_attn: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         hf = config.hf_config
         self.self_attn = self_attn
-        self.mlp = LlamaMLP(hf["hidden_size"], hf["intermediate_size"], bias=hf.get("mlp_bias", False))
+        self.mlp = mlp  # a LlamaMLP, or a mixture of experts (layers/moe.py): either has forward_rms_norm
         self.input_layernorm = RMSNorm(hf["hidden_size"], eps=hf["rms_norm_eps"])
         self.post_attention_layernorm = RMSNorm(hf["hidden_size"], eps=hf["rms_norm_eps"])
 
@@ -93,8 +102,7 @@ class LlamaDecoderLayer(nn.Module):
         # the batch (Linear.forward_rms_norm); otherwise as its own kernel, then the projection.
         qkv, residual = self.self_attn.qkv_proj.forward_rms_norm(x, residual, self.input_layernorm)
         h = self.self_attn(qkv, rope, ctx)
-        gate_up, residual = self.mlp.gate_up_proj.forward_rms_norm(h, residual, self.post_attention_layernorm)
-        return self.mlp(gate_up), residual
+        return self.mlp.forward_rms_norm(h, residual, self.post_attention_layernorm)
 
 
 class LlamaModel(nn.Module):
@@ -123,7 +131,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         hf = config.hf_config
         _check_supported(config, self.sliding_window(hf))
-        layers = [LlamaDecoderLayer(config, self.make_attention(config, i)) for i in range(config.num_layers)]
+        layers = [LlamaDecoderLayer(config, self.make_attention(config, i), self.make_mlp(config, i))
+                  for i in range(config.num_layers)]
         self.model = LlamaModel(config, layers)
         self.lm_head = nn.Linear(hf["hidden_size"], hf["vocab_size"], bias=False)
         self.tie_word_embeddings = bool(hf.get("tie_word_embeddings", False))
@@ -133,6 +142,10 @@ class LlamaForCausalLM(nn.Module):
     def make_attention(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         bias = config.hf_config.get("attention_bias", False)
         return LlamaAttention(config, layer_idx, qkv_bias=bias, o_bias=bias)
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        hf = config.hf_config
+        return LlamaMLP(hf["hidden_size"], hf["intermediate_size"], bias=hf.get("mlp_bias", False))
 
     @staticmethod
     def sliding_window(hf_config: dict[str, Any]) -> int | None:

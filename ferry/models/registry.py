@@ -13,8 +13,11 @@ from torch import nn
 _MODELS: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("ferry.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("ferry.models.llama", "MistralForCausalLM"),
+    "MixtralForCausalLM": ("ferry.models.mixtral", "MixtralForCausalLM"),
     "Qwen2ForCausalLM": ("ferry.models.qwen", "Qwen2ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("ferry.models.qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("ferry.models.qwen", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("ferry.models.qwen_moe", "Qwen3MoeForCausalLM"),
 }
 
 
