@@ -15,7 +15,7 @@ from ferry import LLM, SamplingParams
 from ferry.bench.roofline import Hardware
 from ferry.dashboard import watch as watch_module
 from ferry.dashboard.feed import DASHBOARD_CSP, DashboardFeed
-from ferry.dashboard.watch import CACHED, FREE, SHARED, EngineWatch, block_map, watch_engine
+from ferry.dashboard.watch import CACHED, FREE, SHARED, EngineWatch, block_map, expand, watch_engine
 from ferry.core.outputs import ScheduledRequest, SchedulerOutput
 from ferry.engine.messages import EngineStats, EngineView, Watch, decode, encode
 from ferry.server.metrics import ServerMetrics
@@ -106,8 +106,8 @@ def test_the_block_map_shows_owners_sharing_and_the_prefix_cache():
     engine.step()
     engine.step()
     view = block_map(engine.scheduler)
-    cells, fill = view["map"]["cells"], view["map"]["fill"]
-    assert view["map"]["blocks_per_cell"] == 1 and len(cells) == 40
+    cells, fill = expand(view["map"]["runs"])
+    assert view["map"]["blocks_per_cell"] == 1 and len(cells) == view["map"]["num_cells"] == 40
     kv = engine.scheduler.kv_cache
     first, second = kv.block_ids("first"), kv.block_ids("second")
     assert first[:4] == second[:4]
@@ -123,8 +123,8 @@ def test_the_block_map_shows_owners_sharing_and_the_prefix_cache():
     engine.abort_request("second")
     view = block_map(engine.scheduler)
     # Freed, but their full blocks stay findable: cached, and empty.
-    assert view["requests"] == [] and view["map"]["cells"].count(CACHED) >= 4
-    assert all(f == 0 for f in view["map"]["fill"])
+    cells, fill = expand(view["map"]["runs"])
+    assert view["requests"] == [] and cells.count(CACHED) >= 4 and all(f == 0 for f in fill)
 
 
 def test_a_large_pool_is_shrunk_to_at_most_map_cells():
@@ -132,8 +132,10 @@ def test_a_large_pool_is_shrunk_to_at_most_map_cells():
     add(llm.engine, "x", list(range(5, 60)), 2)
     llm.engine.step()
     view = block_map(llm.engine.scheduler)
-    assert len(view["map"]["cells"]) <= watch_module.MAP_CELLS
-    assert view["map"]["blocks_per_cell"] == 2 and view["map"]["cells"][0] == 0  # its first block, in use
+    cells, _ = expand(view["map"]["runs"])
+    assert len(cells) == view["map"]["num_cells"] <= watch_module.MAP_CELLS
+    assert view["map"]["blocks_per_cell"] == 2 and cells[0] == 0  # its first block, in use
+    assert len(view["map"]["runs"]) < 10  # one request's blocks, then the free rest: a few runs
 
 
 def test_watch_and_view_messages_cross_the_wire():
@@ -160,7 +162,7 @@ def test_the_feed_watches_while_someone_reads_and_skips_what_a_slow_reader_misse
         for i in range(2000):  # more than the feed keeps
             feed.add({"time": float(i), "running": 1, "waiting": 0, "steps": [[float(i), 0.01, 0, 0, 1, 1, 0.001]]})
         feed.add({"time": 2000.0, "running": 2, "waiting": 5, "steps": [],
-                  "map": {"blocks_per_cell": 1, "cells": [0, -1], "fill": [100, 0]}, "requests": [["r", 3, 1]]})
+                  "map": {"blocks_per_cell": 1, "num_cells": 2, "runs": [[0, 100, 1], [-1, 0, 1]]}, "requests": [["r", 3, 1]]})
         second = json.loads((await events.__anext__())[6:])
         await events.aclose()
         return first, second
@@ -171,7 +173,7 @@ def test_the_feed_watches_while_someone_reads_and_skips_what_a_slow_reader_misse
     assert sum(ttft["count"]) == 2 and ttft["le"][-1] is None and ttft["count"][-1] == 1  # 5000 s: past every bound
     assert first["steps"] == [] and "map" not in first
     assert len(second["steps"]) == 1200 and second["steps"][-1][0] == 1999.0  # the oldest dropped
-    assert second["gauges"]["waiting"] == 5 and second["map"]["cells"] == [0, -1] and second["requests"][0][0] == "r"
+    assert second["gauges"]["waiting"] == 5 and second["map"]["runs"] == [[0, 100, 1], [-1, 0, 1]] and second["requests"][0][0] == "r"
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +223,8 @@ def test_the_events_carry_the_engine_under_load(server):
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]))
                 if time.monotonic() > deadline or (sum(len(e["steps"]) for e in events) >= 5
-                                                   and any("map" in e for e in events)):
+                                                   and any("map" in e for e in events)
+                                                   and any(e["gauges"].get("running", 0) for e in events)):
                     break
     finally:
         stop.set()
@@ -232,7 +235,7 @@ def test_the_events_carry_the_engine_under_load(server):
     assert all(s[1] > 0 and s[6] > 0 and 0 <= s[3] <= s[5] for s in steps)
     assert max(e["gauges"].get("running", 0) for e in events) >= 1
     mapped = next(e for e in events if "map" in e)
-    assert any(c >= 0 for c in mapped["map"]["cells"]) and mapped["requests"]
+    assert any(state >= 0 for state, _, _ in mapped["map"]["runs"]) and mapped["requests"]
 
 
 def find_chromium() -> str | None:

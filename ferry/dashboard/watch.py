@@ -15,7 +15,8 @@ is, in percent). Measured on a CPU: a described step of 8 requests about 8 us, a
 blocks 0.35 ms, so well under a millisecond a second. Without a watcher the engine holds no
 EngineWatch, and a step costs one `is None` test.
 
-Block states in a map: FREE, CACHED (free, but its K/V still findable in the prefix cache), SHARED
+A map travels as runs of equal cells ([state, fill, count]), a few hundred numbers for a pool of
+any size in the usual case. Block states in a map: FREE, CACHED (free, but its K/V still findable in the prefix cache), SHARED
 (held by more than one request), or the index of its one owner among the running requests, in the
 order the view's `requests` lists them.
 """
@@ -130,9 +131,18 @@ def block_map(scheduler) -> dict[str, Any]:
     in_use = refs > 0
     per_cell = -(-n // MAP_CELLS)
     starts = np.arange(0, n, per_cell)
-    fill = np.add.reduceat(in_use, starts) / np.diff(np.append(starts, n))
-    return {
-        "map": {"blocks_per_cell": per_cell, "cells": state[starts].tolist(),
-                "fill": np.round(fill * 100).astype(int).tolist()},
-        "requests": requests,
-    }
+    cells = state[starts]
+    fill = np.round(np.add.reduceat(in_use, starts) / np.diff(np.append(starts, n)) * 100).astype(np.int64)
+    # Runs of equal cells, [state, fill, count]: a pool is mostly long runs (free, or one request's).
+    bounds = np.concatenate(([0], np.flatnonzero((cells[1:] != cells[:-1]) | (fill[1:] != fill[:-1])) + 1,
+                             [len(cells)]))
+    runs = np.stack([cells[bounds[:-1]], fill[bounds[:-1]], np.diff(bounds)], axis=1)
+    return {"map": {"blocks_per_cell": per_cell, "num_cells": len(cells), "runs": runs.tolist()},
+            "requests": requests}
+
+
+def expand(runs: list[list[int]]) -> tuple[list[int], list[int]]:
+    """A map's runs as one state and one fill (percent) per cell."""
+    cells = [state for state, _, count in runs for _ in range(count)]
+    fill = [f for _, f, count in runs for _ in range(count)]
+    return cells, fill
