@@ -223,7 +223,7 @@ def test_the_events_carry_the_engine_under_load(server):
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]))
                 if time.monotonic() > deadline or (sum(len(e["steps"]) for e in events) >= 5
-                                                   and any("map" in e for e in events)
+                                                   and any(e.get("requests") for e in events)
                                                    and any(e["gauges"].get("running", 0) for e in events)):
                     break
     finally:
@@ -234,8 +234,9 @@ def test_the_events_carry_the_engine_under_load(server):
     assert len(steps) >= 5, events[-1]
     assert all(s[1] > 0 and s[6] > 0 and 0 <= s[3] <= s[5] for s in steps)
     assert max(e["gauges"].get("running", 0) for e in events) >= 1
-    mapped = next(e for e in events if "map" in e)
-    assert any(state >= 0 for state, _, _ in mapped["map"]["runs"]) and mapped["requests"]
+    # A map taken while requests run (one a second: the first may come at an idle moment).
+    mapped = next(e for e in events if e.get("requests"))
+    assert any(state >= 0 for state, _, _ in mapped["map"]["runs"])
 
 
 def find_chromium() -> str | None:
