@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ferry.config import CacheConfig, ModelConfig
+from ferry.config import CacheConfig, ModelConfig, SchedulerConfig
 from ferry.quantization.e4m3 import FP8
 
 
@@ -23,6 +23,11 @@ def kv_cache_bytes_per_block(model_config: ModelConfig, cache_config: CacheConfi
     divide a memory budget by to get num_blocks."""
     per_layer = 2 * cache_config.block_size * model_config.num_kv_heads * model_config.head_dim
     return per_layer * model_config.num_layers * cache_config.kv_itemsize(model_config)
+
+
+def max_useful_blocks(scheduler_config: SchedulerConfig, block_size: int) -> int:
+    """Blocks every running request at full length could use: more would be memory never used."""
+    return scheduler_config.max_num_seqs * -(-scheduler_config.max_model_len // block_size)
 
 
 def allocate_kv_caches(

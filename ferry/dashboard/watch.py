@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ferry.metrics.tracing import is_decode
+from ferry.metrics.tracing import step_trace
 
 if TYPE_CHECKING:
     from ferry.bench.roofline import Hardware
@@ -66,10 +66,9 @@ class EngineWatch:
         if start - self._last_step < STEP_INTERVAL_S:
             return
         self._last_step = start
-        prefills = [len(s.token_ids) for s in output.scheduled if not is_decode(s)]
-        self._steps.append([round(start, 4), round(end - start, 6), len(prefills), sum(prefills),
-                            len(output.scheduled) - len(prefills), output.num_scheduled_tokens,
-                            round(self.bound(output), 6)])
+        s = step_trace(output, start, end, self.bound)
+        self._steps.append([round(s.start, 4), round(s.duration, 6), s.prefill_chunks, s.prefill_tokens, s.decodes,
+                            s.tokens, round(s.bound, 6)])
 
     def take(self, force: bool = False) -> dict[str, Any] | None:
         """The view since the last one, or None when the last was under VIEW_INTERVAL_S ago (unless

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import NamedTuple
 
+from ferry.attention.kv_cache import max_useful_blocks
 from ferry.bench.roofline import Hardware, ModelCost, Step
 from ferry.config import EngineConfig
 from ferry.doctor import calibration
@@ -266,7 +267,7 @@ def kv_blocks(d: Deployment) -> tuple[int, str]:
     cache, scheduler = d.config.cache, d.config.scheduler
     per_block = d.cost.kv_bytes_per_token * cache.block_size / d.tensor_parallel
     budget, budget_terms = kv_budget(d)
-    useful = scheduler.max_num_seqs * -(-scheduler.max_model_len // cache.block_size)
+    useful = max_useful_blocks(scheduler, cache.block_size)
     blocks = max(0, min(useful, int(budget // per_block)))
     terms = (f"min(({budget_terms}) / {per_block / 1e6:.3g} MB a block, max_num_seqs {scheduler.max_num_seqs} x "
              f"{useful // scheduler.max_num_seqs:,} blocks of max_model_len {scheduler.max_model_len:,})"

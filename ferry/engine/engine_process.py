@@ -227,7 +227,10 @@ class EngineLoop:
     def _set_watch(self, on: bool) -> None:
         from ferry.dashboard.watch import watch_engine
 
-        self._watch = watch_engine(self.engine) if on and self._watch is None else (self._watch if on else None)
+        if not on:
+            self._watch = None
+        elif self._watch is None:
+            self._watch = watch_engine(self.engine)
         self.engine.step_listener = self._watch.on_step if self._watch is not None else None
 
     def _add(self, message: AddRequest) -> None:

@@ -687,8 +687,9 @@ def _num_kv_blocks(config: EngineConfig, bytes_per_block: int) -> int:
     cache = config.cache
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
-    # More blocks than every running request at full length could use would be wasted memory.
-    useful = config.scheduler.max_num_seqs * -(-config.scheduler.max_model_len // cache.block_size)
+    from ferry.attention.kv_cache import max_useful_blocks
+
+    useful = max_useful_blocks(config.scheduler, cache.block_size)
     if torch.device(config.device).type == "cuda":
         free, total = torch.cuda.mem_get_info()
         budget = free - total * (1 - cache.gpu_memory_utilization)

@@ -135,7 +135,7 @@ class RequestTracer:
             if timeline is not None:
                 self._computed(timeline, item, start, end, output.step_id)
         if self._step_sink is not None and output.scheduled:
-            self._step_sink(self._step_trace(output, start, end))
+            self._step_sink(step_trace(output, start, end, self._bound))
         for update in updates:
             timeline = self._timelines.get(update.request_id)
             if timeline is None:
@@ -149,13 +149,6 @@ class RequestTracer:
         for request_id in request_ids:
             if request_id in self._timelines:
                 self._finish(request_id, reason, now)
-
-    def _step_trace(self, output: SchedulerOutput, start: float, end: float) -> StepTrace:
-        prefills = [len(s.token_ids) for s in output.scheduled if not is_decode(s)]
-        return StepTrace(
-            output.step_id, start, end - start, len(prefills), sum(prefills), len(output.scheduled) - len(prefills),
-            output.num_scheduled_tokens, self._bound(output) if self._bound is not None else None,
-        )
 
     # ---- one request ----
 
@@ -221,6 +214,17 @@ class RequestTracer:
             args = {"steps": run.steps, "first_step": run.first_step, "last_step": run.last_step}
             timeline.events.append(TraceEvent(DECODE, run.start, run.end - run.start, args))
             timeline.decode_run = None
+
+
+def step_trace(
+    output: SchedulerOutput, start: float, end: float, bound: Callable[[SchedulerOutput], float] | None = None,
+) -> StepTrace:
+    """A scheduled step as a StepTrace: it ran from `start` to `end`; `bound` gives its roofline bound."""
+    prefills = [len(s.token_ids) for s in output.scheduled if not is_decode(s)]
+    return StepTrace(
+        output.step_id, start, end - start, len(prefills), sum(prefills), len(output.scheduled) - len(prefills),
+        output.num_scheduled_tokens, bound(output) if bound is not None else None,
+    )
 
 
 def is_decode(item: ScheduledRequest) -> bool:
