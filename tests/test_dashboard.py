@@ -4,6 +4,7 @@ routes and their key, and the page itself in headless Chromium against a server 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import threading
@@ -295,3 +296,26 @@ def test_the_cost_benchmark_runs_both_sides(tmp_path):
     unwatched, watched = result["rounds"]
     assert not unwatched["watched"] and watched["watched"] and watched["events"] >= 1
     assert result["ratio"] == pytest.approx(watched["output_tok_s"] / unwatched["output_tok_s"])
+
+
+def test_watchers_past_the_limit_get_a_429(server):
+    from ferry.dashboard.feed import MAX_WATCHERS
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    lines = []  # each stream's line iterator, kept: a dropped one closes its stream
+    with contextlib.ExitStack() as stack:
+        for _ in range(MAX_WATCHERS):
+            response = stack.enter_context(httpx.stream("GET", server.url + "/dashboard/events", headers=headers,
+                                                        timeout=30))
+            assert response.status_code == 200
+            lines.append(response.iter_lines())
+            next(lines[-1])  # its stream has begun: it counts
+        refused = httpx.get(server.url + "/dashboard/events", headers=headers, timeout=30)
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "too_many_watchers"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the closed streams end at their next tick
+        with httpx.stream("GET", server.url + "/dashboard/events", headers=headers, timeout=30) as response:
+            if response.status_code == 200:
+                break
+        time.sleep(0.2)
+    assert response.status_code == 200

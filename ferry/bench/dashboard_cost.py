@@ -106,6 +106,8 @@ def free_port() -> int:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.rounds < 2 or args.rounds % 2 or min(args.num_prompts, args.concurrency, args.input_len, args.output_len) < 1:
+        raise SystemExit("dashboard_cost: --rounds must be even and at least 2, and the sizes at least 1")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "ferry", "serve", "--port", str(port), "--api-key", API_KEY, "--no-access-log",

@@ -206,6 +206,8 @@ def run(args: argparse.Namespace) -> dict:
     spec_before = copy.deepcopy(engine.scheduler.spec_stats)
     with ScheduleRecorder(engine) as steps:
         start = time.perf_counter()
+        if args.profile_steps < 0 or args.profile_after < 0:
+            raise ValueError("--profile-steps and --profile-after must be >= 0")
         window = ProfileWindow(args.profile_after, args.profile_steps) if args.profile_steps else None
         generated = generate(engine, prompts, output_lens, args.temperature, "", window)
         end = time.perf_counter()

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry
 
 TICK_S = 0.25
 HISTOGRAM_EVERY = 4  # ticks
+MAX_WATCHERS = 32  # browsers streaming at once; more get a 429 (each costs the server a little work a tick)
 KEPT_STEPS = 1200  # a minute of described steps at 20 a second
 KEPT_VIEWS = 600  # queue samples: a minute at 10 a second
 HISTOGRAMS = {

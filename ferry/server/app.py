@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ferry import __version__
-from ferry.dashboard.feed import DASHBOARD_CSP, DashboardFeed, dashboard_page
+from ferry.dashboard.feed import DASHBOARD_CSP, MAX_WATCHERS, DashboardFeed, dashboard_page
 from ferry.engine.async_engine import AsyncEngine
 from ferry.engine.messages import EngineStats
 from ferry.gc_settings import quiet_gc
@@ -238,7 +238,11 @@ async def dashboard(request: Request) -> Response:
 
 
 async def dashboard_events(request: Request) -> Response:
-    return EventStreamResponse(_state(request).dashboard.events(), lambda: None)
+    feed = _state(request).dashboard
+    if feed.num_watchers >= MAX_WATCHERS:
+        raise ApiError(429, f"{MAX_WATCHERS} dashboards are watching this server already", code="too_many_watchers",
+                       headers={"Retry-After": "5"})
+    return EventStreamResponse(feed.events(), lambda: None)
 
 
 async def models(request: Request) -> Response:
