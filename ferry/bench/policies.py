@@ -472,6 +472,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def main_from_args(args: argparse.Namespace) -> int:
     if args.batch_size < 1 or args.batch_timeout < 0:
         raise ValueError("--batch-size must be >= 1 and --batch-timeout >= 0")
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     results = run(args)
     print_results(results, report, args.json)
     if args.plot_dir:
