@@ -189,6 +189,35 @@ def test_step_seconds_run_from_one_scheduling_to_the_next():
     assert step_seconds(steps, end=3.25) == [0.5, 1.5, 0.25]
 
 
+def test_full_batch_steps_are_those_in_which_every_request_decodes():
+    b = 2
+    steps = [
+        RecordedStep([(8, 8)], 0, 16, 8, scheduled_at=0.0),  # request 0's prompt
+        RecordedStep([(1, 9), (8, 8)], 1, 32, 17, scheduled_at=1.0),  # 0 decodes beside 1's prompt
+        RecordedStep([(1, 10), (1, 9)], 2, 32, 19, scheduled_at=2.0),  # both decode: 0.5 s
+        RecordedStep([(1, 11), (1, 10)], 2, 32, 21, scheduled_at=2.5),  # both decode: 1.5 s
+        RecordedStep([(1, 11)], 1, 16, 11, scheduled_at=4.0),  # 1 alone
+    ]
+    assert latency.full_batch_steps(steps, end=5.0, batch=b) == (1.0, 10.0, 2)
+    # The last step's time runs to the iteration's end, so it is never counted.
+    assert latency.full_batch_steps(steps[:3], end=9.0, batch=b) is None
+
+
+def test_latency_reports_the_full_batch_step_when_prompts_take_several_steps(tmp_path):
+    out = tmp_path / "latency.json"
+    latency.main(["--no-quiet-gc", "--batch-size", "4", "--input-len", "16", "--output-len", "6",
+                  "--max-num-batched-tokens", "32", "--num-iters-warmup", "0", "--num-iters", "1",
+                  "--json", str(out), *CEILINGS])
+    r = json.loads(out.read_text())
+    assert r["num_prefill_steps"] == 2
+    full = r["full_batch_step_s"]
+    # Step 1 prefills requests 0-1; step 2 decodes them beside 2's prompt and 14 tokens of 3's;
+    # step 3 finishes 3's prompt. Steps 4 to 6 decode all four (contexts 19, 19, 18, 17 at step 4,
+    # one more each step), and 0-1 end at step 6 with their 6th token.
+    assert full["steps"] == 3 and full["p50"] > 0
+    assert full["mean_context"] == pytest.approx((18.25 + 19.25 + 20.25) / 3)
+
+
 @pytest.mark.parametrize("scheduling", [[], ["--async-scheduling"]], ids=["sync", "async"])
 def test_latency_end_to_end(tmp_path, scheduling):
     out = tmp_path / "latency.json"

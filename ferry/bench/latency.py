@@ -9,6 +9,12 @@ of the step in which the last of them got its first token; decode ms/token is th
 over the remaining output_len - 1 steps. The bounds are those of the steps the engine ran: for a
 batch-1 decode, essentially every weight read once per token at full bandwidth; for a long prefill,
 its FLOPs (attention's included) at the matmul peak.
+
+A batch whose prompts take several prefill steps (more prompt tokens than --max-num-batched-tokens)
+starts decoding its first requests while later ones still prefill, and ends with its last requests
+decoding alone, so the time per token after the first is not that of a step of the whole batch.
+That is reported beside it: the mean time of the steps in which every request of the batch decodes
+(`full_batch_step_s`, with the mean context of those steps), the ITL of a batch that size.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ferry.bench.roofline import Hardware, ModelCost, RecordedStep, ScheduleRecorder, percentile, step_bound
+from ferry.bench.roofline import (
+    Hardware, ModelCost, RecordedStep, ScheduleRecorder, percentile, step_bound, step_seconds,
+)
 from ferry.bench.throughput import (
     add_model_args, command_line, print_results, random_workload, setup, spec_line, spec_summary,
 )
@@ -32,6 +40,7 @@ class Iteration:
     decode_per_token: float | None  # seconds per step after the first token; None for one output token
     steps: list[RecordedStep]
     num_prefill_steps: int  # the steps that computed the prompts
+    full_batch: tuple[float, float, int] | None = None  # (mean s, mean context, steps) of full-batch decode steps
 
 
 def run_iteration(engine, prompts: list[list[int]], output_len: int, ids) -> Iteration:
@@ -55,7 +64,20 @@ def run_iteration(engine, prompts: list[list[int]], output_len: int, ids) -> Ite
                     ttft = time.perf_counter() - start
         elapsed = time.perf_counter() - start
     decode = (elapsed - ttft) / (output_len - 1) if output_len > 1 else None
-    return Iteration(ttft, decode, steps, _num_prefill_steps(steps, sum(map(len, prompts))))
+    full = full_batch_steps(steps, start + elapsed, len(prompts))
+    return Iteration(ttft, decode, steps, _num_prefill_steps(steps, sum(map(len, prompts))), full)
+
+
+def full_batch_steps(steps: list[RecordedStep], end: float, batch: int) -> tuple[float, float, int] | None:
+    """(mean seconds, mean context, count) of the steps in which all `batch` requests decode one
+    token each, or None if there was none. The last step is left out: its time runs to the end of
+    the iteration, past the device's work (the final outputs' handling)."""
+    times = step_seconds(steps, end)
+    full = [(t, s) for t, s in zip(times[:-1], steps[:-1]) if len(s.step) == batch and all(q == 1 for q, _ in s.step)]
+    if not full:
+        return None
+    contexts = [sum(c for _, c in s.step) / batch for _, s in full]
+    return sum(t for t, _ in full) / len(full), sum(contexts) / len(full), len(full)
 
 
 def _num_prefill_steps(steps: list[RecordedStep], prompt_tokens: int) -> int:
@@ -98,6 +120,7 @@ def run(args: argparse.Namespace) -> dict:
             iterations.append(it)
     ttfts = [it.ttft for it in iterations]
     decodes = [it.decode_per_token for it in iterations if it.decode_per_token is not None]
+    fulls = [it.full_batch for it in iterations if it.full_batch is not None]
     # Every iteration runs the same shapes, so the last one's steps stand for all.
     b = bounds(iterations[-1], args.output_len, cost, hw)
     return {
@@ -110,6 +133,9 @@ def run(args: argparse.Namespace) -> dict:
         "ttft_s": {"p50": percentile(ttfts, 50), "p90": percentile(ttfts, 90), "all": ttfts},
         "decode_s_per_token": ({"p50": percentile(decodes, 50), "p90": percentile(decodes, 90), "all": decodes}
                                if decodes else None),
+        "full_batch_step_s": ({"p50": percentile([f[0] for f in fulls], 50), "p90": percentile([f[0] for f in fulls], 90),
+                               "all": [f[0] for f in fulls], "mean_context": sum(f[1] for f in fulls) / len(fulls),
+                               "steps": sum(f[2] for f in fulls)} if fulls else None),
         **b,
         "speculative": spec_summary(engine, spec_before),
         "args": {k: v for k, v in vars(args).items() if k != "func"},
@@ -129,6 +155,11 @@ def report(r: dict) -> str:
     ]
     if r["decode_s_per_token"] is not None:
         lines.append(_row("decode ms/token", r["decode_s_per_token"], r["decode_bound_s_per_token"]))
+    full = r.get("full_batch_step_s")
+    if full is not None and r["num_prefill_steps"] > 1:
+        lines.append(f"{'':>16} the prompts took {r['num_prefill_steps']} steps: a step of all {r['batch_size']} "
+                     f"requests decoding took {full['p50'] * 1e3:.3f} ms (p50; {full['steps']} such steps, "
+                     f"mean context {full['mean_context']:,.0f})")
     flops, ttft = r["prefill_flops"], r["ttft_s"]["p50"]
     lines += [
         "",

@@ -3,9 +3,13 @@ benchmarks (bench/latency.py, bench/throughput.py, each run as its command line 
 weights of the model's shape), and the error of each prediction.
 
 - KV capacity: the throughput run's engine's blocks x block size (the KV pool it allocated).
-- TTFT: a batch-1 latency run of the prompt, one output token.
-- ITL at each batch size: a latency run of that many prompts of the context length, its decode
-  time per token (p50), predicted at the middle of the contexts its steps run at.
+- TTFT: a batch-1 latency run of the prompt, one output token (at least TTFT_ITERS iterations: a
+  short prompt's TTFT is the host's time, which varies from one to the next).
+- ITL at each batch size: a latency run of that many prompts of the context length, long enough
+  that after the prompts' prefill steps `decode_steps` steps decode every request at once; the
+  mean time of those full-batch steps (p50 over iterations), predicted at their mean context. (Its
+  time per token after the first would mix in steps of fewer requests, wherever the prompts take
+  several prefill steps.)
 - Throughput: `requests` prompts of prompt_len in / output_len out, at most max_num_seqs at once;
   predicted at that batch (by default the requests are the predicted saturation batch).
 """
@@ -20,10 +24,14 @@ from ferry.doctor.predict import Deployment, Figure, concurrency, itl, kv_capaci
 from ferry.doctor.report import Workload
 
 
+# TTFT runs at least this many iterations: each is one short prefill.
+TTFT_ITERS = 10
+
+
 class CheckPlan(NamedTuple):
     requests: int | None  # of the throughput run; None: the predicted saturation batch
     iterations: int  # measured iterations of each latency run (after one warm-up)
-    decode_steps: int  # decode steps a latency run times
+    decode_steps: int  # full-batch decode steps a latency run times
 
 
 class CheckRow(NamedTuple):
@@ -42,12 +50,16 @@ def run_check(d: Deployment, w: Workload, plan: CheckPlan) -> list[CheckRow]:
     from ferry.bench import latency
 
     rows = _throughput_rows(d, w, plan)
-    measured = _run(latency, _latency_flags(d, 1, w.prompt_len, 1, plan))
+    measured = _run(latency, _latency_flags(d, 1, w.prompt_len, 1, plan._replace(iterations=max(plan.iterations, TTFT_ITERS))))
     rows.append(_row(ttft(d, w.prompt_len), measured["ttft_s"]["p50"]))
-    context = w.context_len + plan.decode_steps // 2
+    budget = d.config.scheduler.max_num_batched_tokens
     for batch in w.batch_sizes:
-        measured = _run(latency, _latency_flags(d, batch, w.context_len, plan.decode_steps + 1, plan))
-        rows.append(_row(itl(d, batch, context), measured["decode_s_per_token"]["p50"]))
+        prefill_steps = -(-batch * w.context_len // budget)
+        measured = _run(latency, _latency_flags(d, batch, w.context_len, prefill_steps + plan.decode_steps + 1, plan))
+        full = measured["full_batch_step_s"]
+        if full is None:
+            raise RuntimeError(f"no step decoded all {batch} requests at once: is max_num_seqs below {batch}?")
+        rows.append(_row(itl(d, batch, round(full["mean_context"])), full["p50"]))
     return rows
 
 

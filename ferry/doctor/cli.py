@@ -54,7 +54,7 @@ def add_doctor_command(subparsers) -> None:
     check.add_argument("--check-requests", type=int, default=None,
                        help="requests of the throughput run (default: the predicted saturation batch)")
     check.add_argument("--check-iters", type=int, default=3, help="measured iterations of each latency run")
-    check.add_argument("--check-steps", type=int, default=32, help="decode steps each ITL run times")
+    check.add_argument("--check-steps", type=int, default=32, help="steps decoding the whole batch that each ITL run times")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write everything here as JSON")
     parser.set_defaults(func=doctor, command_parser=parser)
 
