@@ -4,8 +4,8 @@ The roofline bound (bench/roofline.py) is what a step could take at best; ferry'
 and by much more at small batches, where fixed costs per kernel weigh more than the bytes. A step
 is predicted as
 
-    device = max(FLOPs / (peak x compute), weight bytes / (bandwidth x weight_bandwidth) + KV read)
-             + kernels x kernel_s
+    device = max(matmul FLOPs / (peak x compute), weight bytes / (bandwidth x weight_bandwidth))
+             + max(attention FLOPs / (peak x compute), KV read) + kernels x kernel_s
     KV read = t + min(t, layers x kv_ramp_s)    t = KV bytes / (bandwidth x kv_bandwidth)
     step   = max(device, host)    host = layers x eager_layer_s + tokens x eager_token_s for a step
                                   launched eagerly, else 0
@@ -46,10 +46,11 @@ class Calibration:
 # - weight_bandwidth 1.0 and kernel_s 2.3 us: the two batch-1 decodes, Qwen3-0.6B 0.830 ms (1.25 GB
 #   moved, 230 kernels) and Llama-3.1-8B 4.17 ms (15.1 GB, 262 kernels), solved together: the GEMVs
 #   stream the weights at the copy bandwidth, and each kernel adds its fixed 2.3 us.
-# - kv_bandwidth 1.0 and kv_ramp_s 20 us: decode steps at context 784, batch 256, Qwen3-0.6B 6.20 ms and
-#   Llama-3.1-8B 10.73 ms (the read at the copy bandwidth, plus about 20 us a layer); batch 32, 2.02
-#   and 5.68 ms (reads of 0.1 GB a layer, 24 us at the bandwidth, take about 45 us: twice); Llama-3.1-8B
-#   at batch 1 and context 32k, 5.469 ms.
+# - kv_bandwidth 1.0 and kv_ramp_s 20 us: decode steps of 32 requests at context 784 (Qwen3-0.6B 1.95 to
+#   2.04 ms, Llama-3.1-8B 5.68 to 5.72), whose reads of about 0.1 GB a layer (24 us at the bandwidth) take
+#   about twice that; Llama-3.1-8B at batch 1 and context 32k, 5.469 ms. Checked against steps of 256
+#   requests all decoding at context 797 (docs/doctor.md): Qwen3-0.6B 7.74 ms (predicted 7.20), and
+#   Llama-3.1-8B 16.62 ms (14.91), whose linears at 256 rows are bound by their FLOPs, not their bytes.
 # - eager_layer_s 0.62 ms: a 512-token prompt's TTFT, launched kernel by kernel, is the host's time
 #   while the GPU waits: Qwen3-0.6B 18.9 ms and Llama-3.1-8B 24.5 ms on one host, 19.8 to 24.8 and
 #   19.7 to 21.3 in other runs (an earlier host's gave 12.1 and 13.3 ms).

@@ -4,11 +4,16 @@ and a machine, with the terms it is made of.
 A step's FLOPs and bytes are the roofline model's (`roofline.ModelCost.step_cost`); what ferry's
 kernels reach of the machine's ceilings and what a step costs beside them are calibration.py's:
 
-    device = max(FLOPs / (peak x compute), weight bytes / (bandwidth x weight_bandwidth) + KV read)
+    device = max(matmul FLOPs / (peak x compute), weight bytes / (bandwidth x weight_bandwidth))
+             + max(attention FLOPs / (peak x compute), KV read)
              + kernels x kernel_s (+ all-reduces, over several GPUs)
     KV read = t + min(t, layers x kv_ramp_s)    t = KV bytes / (bandwidth x kv_bandwidth)
     step   = max(device, host)    host: layers x eager_layer_s + tokens x eager_token_s where the
                                   step is launched eagerly
+
+The linear layers (and the LM head) and attention are separate kernels, one after the other, so
+each is bound by its own work: at a decode batch of 256 the linears of Llama-3.1-8B are bound by
+their FLOPs while attention, beside them, is bound by its KV read; the two add.
 
 A prefill is launched eagerly (one step per max_num_batched_tokens), a decode step replays a CUDA
 graph up to the largest captured batch size.
@@ -101,7 +106,8 @@ class StepTime(NamedTuple):
     """A step's predicted time term by term, or several steps' summed (`steps`)."""
 
     flops: float
-    compute_s: float
+    compute_s: float  # all the FLOPs at ferry's rate
+    attention_s: float  # attention's FLOPs at that rate (the rest are the matmuls')
     weight_bytes: float
     weights_s: float
     kv_bytes: float
@@ -122,13 +128,14 @@ def step_time(d: Deployment, step: Step, sampled_rows: int, host_s: float = 0.0)
     kv_bytes = cost.kv_bytes_per_token * sum(s for _, s in step) / tp  # read c_i, write q_i (step_cost's)
     weight_bytes = total.bytes / tp - kv_bytes
     compute_s = total.compute_seconds(machine.rates) / tp
+    attention_s = sum(cost.attention_flops(q, s) for q, s in step) / tp / machine.rates.peak_flops
     weights_s, kv_s = weight_bytes / machine.rates.bandwidth_bytes_per_s, kv_read_seconds(d, kv_bytes)
     kernels = calibration.KERNELS_PER_LAYER * cost.num_layers + calibration.KERNELS_OUTSIDE_LAYERS
     fixed_s = kernels * machine.calibration.kernel_s
     comm_s = all_reduce_seconds(d, sum(q for q, _ in step))
-    device = max(compute_s, weights_s + kv_s) + fixed_s + comm_s
-    return StepTime(total.flops / tp, compute_s, weight_bytes, weights_s, kv_bytes, kv_s, kernels, fixed_s, comm_s,
-                    host_s, max(device, host_s), sum(q for q, _ in step))
+    device = max(compute_s - attention_s, weights_s) + max(attention_s, kv_s) + fixed_s + comm_s
+    return StepTime(total.flops / tp, compute_s, attention_s, weight_bytes, weights_s, kv_bytes, kv_s, kernels, fixed_s,
+                    comm_s, host_s, max(device, host_s), sum(q for q, _ in step))
 
 
 def kv_rate(d: Deployment) -> float:
@@ -204,10 +211,12 @@ def describe(t: StepTime, d: Deployment) -> str:
     """The terms of a step time, with what each comes to."""
     machine, c = d.machine, d.machine.calibration
     flop_rate = t.flops / t.compute_s if t.compute_s else machine.rates.peak_flops
+    attention_flops = t.attention_s * machine.rates.peak_flops
     device = (
-        f"max({t.flops:.3g} FLOP / {flop_rate / 1e12:.3g} TFLOP/s = {ms(t.compute_s)}, "
-        f"{t.weight_bytes / 1e9:.3g} GB weights / {machine.rates.bandwidth_bytes_per_s / 1e12:.3g} TB/s = "
-        f"{ms(t.weights_s)} + KV read {_kv_terms(t, d)})"
+        f"max({t.flops - attention_flops:.3g} matmul FLOP / {flop_rate / 1e12:.3g} TFLOP/s = "
+        f"{ms(t.compute_s - t.attention_s)}, {t.weight_bytes / 1e9:.3g} GB weights / "
+        f"{machine.rates.bandwidth_bytes_per_s / 1e12:.3g} TB/s = {ms(t.weights_s)})"
+        f" + max({attention_flops:.3g} attention FLOP = {ms(t.attention_s)}, KV read {_kv_terms(t, d)})"
         f" + {t.kernels:,} kernels x {c.kernel_s * 1e6:.3g} us = {ms(t.fixed_s)}"
     )
     if t.comm_s:

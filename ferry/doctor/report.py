@@ -101,8 +101,9 @@ def step_model(d: Deployment) -> str:
     """The model of a step with this machine's constants (calibration.py)."""
     c = d.machine.calibration
     kv = f"KV bytes / (bandwidth x {c.kv_bandwidth:.3g})"
-    line = (f"model of a step ({c.source}; ferry/doctor/calibration.py): max(FLOPs / (peak x {c.compute:.3g}), "
-            f"weight bytes / (bandwidth x {c.weight_bandwidth:.3g}) + KV read) + kernels x {c.kernel_s * 1e6:.3g} us")
+    line = (f"model of a step ({c.source}; ferry/doctor/calibration.py): max(matmul FLOPs / (peak x {c.compute:.3g}), "
+            f"weight bytes / (bandwidth x {c.weight_bandwidth:.3g})) + max(attention FLOPs / (peak x {c.compute:.3g}), "
+            f"KV read) + kernels x {c.kernel_s * 1e6:.3g} us")
     if c.kv_ramp_s:
         line += f", KV read = t + min(t, layers x {c.kv_ramp_s * 1e6:.3g} us), t = {kv}"
     else:
