@@ -49,8 +49,8 @@ class Calibration:
 # - kv_bandwidth 1.0 and kv_ramp_s 20 us: decode steps of 32 requests at context 784 (Qwen3-0.6B 1.95 to
 #   2.04 ms, Llama-3.1-8B 5.68 to 5.72), whose reads of about 0.1 GB a layer (24 us at the bandwidth) take
 #   about twice that; Llama-3.1-8B at batch 1 and context 32k, 5.469 ms. Checked against steps of 256
-#   requests all decoding at context 797 (docs/doctor.md): Qwen3-0.6B 7.74 ms (predicted 7.20), and
-#   Llama-3.1-8B 16.62 ms (14.91), whose linears at 256 rows are bound by their FLOPs, not their bytes.
+#   requests all decoding at context 797 (docs/doctor.md): Qwen3-0.6B 7.84 ms (predicted 7.18), and
+#   Llama-3.1-8B 16.98 ms (14.94), whose linears at 256 rows are bound by their FLOPs, not their bytes.
 # - eager_layer_s 0.62 ms: a 512-token prompt's TTFT, launched kernel by kernel, is the host's time
 #   while the GPU waits: Qwen3-0.6B 18.9 ms and Llama-3.1-8B 24.5 ms on one host, 19.8 to 24.8 and
 #   19.7 to 21.3 in other runs (an earlier host's gave 12.1 and 13.3 ms).

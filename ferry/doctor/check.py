@@ -58,7 +58,8 @@ def run_check(d: Deployment, w: Workload, plan: CheckPlan) -> list[CheckRow]:
         measured = _run(latency, _latency_flags(d, batch, w.context_len, prefill_steps + plan.decode_steps + 1, plan))
         full = measured["full_batch_step_s"]
         if full is None:
-            raise RuntimeError(f"no step decoded all {batch} requests at once: is max_num_seqs below {batch}?")
+            raise ValueError(f"no step decoded all {batch} requests at once (fewer fit the KV cache at context "
+                             f"{w.context_len:,}): give smaller --batch-sizes")
         rows.append(_row(itl(d, batch, round(full["mean_context"])), full["p50"]))
     return rows
 
