@@ -491,6 +491,12 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] | None = option(
         None, flag=False, help="decode batch sizes that get a CUDA graph (default: 1, 2, 4, then multiples of 8, "
                                "up to max_num_seqs)")
+    # Steps with prefill chunks of up to this many tokens replay CUDA graphs captured per token count
+    # (executor/prefill_graphs.py; `prefill_graph_sizes`); on a CPU they run the same padded steps
+    # eagerly. 0: every such step runs eagerly.
+    max_prefill_graph_tokens: int = option(
+        0, help="steps with prefill chunks of up to this many tokens replay CUDA graphs, captured for 16, 32, "
+                "64, ... tokens (multiples of 512 above 512); 0: they run eagerly")
     # Schedule and launch each step before waiting for the last one's tokens (engine/engine.py).
     # None (auto): on CUDA only (see `create`).
     async_scheduling: bool | None = option(
@@ -519,6 +525,8 @@ class EngineConfig:
         sizes = self.cuda_graph_batch_sizes
         if sizes is not None and (not sizes or min(sizes) < 1):
             raise ValueError(f"cuda_graph_batch_sizes must be positive batch sizes, got {sizes}")
+        if self.max_prefill_graph_tokens < 0:
+            raise ValueError(f"max_prefill_graph_tokens must be >= 0, got {self.max_prefill_graph_tokens}")
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} (or unset), "
                              f"got {self.attention_backend!r}")
@@ -573,6 +581,20 @@ class EngineConfig:
         limit = self.scheduler.max_num_seqs
         sizes = [s for s in _DEFAULT_GRAPH_SIZES if s <= limit]
         if limit <= _DEFAULT_GRAPH_SIZES[-1] and sizes[-1] != limit:
+            sizes.append(limit)
+        return tuple(sizes)
+
+    @property
+    def prefill_graph_sizes(self) -> tuple[int, ...]:
+        """The token counts of steps with prefill chunks to capture, ascending (none without
+        max_prefill_graph_tokens): powers of two from 16 to 512, then multiples of 512 (a step is
+        padded by at most half its tokens, and by at most 511 above 512), up to
+        max_prefill_graph_tokens and no further than a step's token budget."""
+        limit = min(self.max_prefill_graph_tokens, self.scheduler.max_num_batched_tokens)
+        if limit <= 0:
+            return ()
+        sizes = [s for s in (16, 32, 64, 128, 256, *range(512, limit + 1, 512)) if s <= limit]
+        if not sizes or sizes[-1] != limit:
             sizes.append(limit)
         return tuple(sizes)
 

@@ -100,13 +100,22 @@ def test_decode_step_is_the_slower_ceiling_plus_kernels():
     d = deployment(LLAMA, machine)
     context, batch = 1000, 4
     linear, vocab_h = 6_979_321_856, 128256 * 4096
-    flops = batch * (2 * linear + 2 * vocab_h + 4 * 32 * 32 * 128 * (context + 1))
+    matmul_flops = batch * (2 * linear + 2 * vocab_h)
+    attention_flops = batch * 4 * 32 * 32 * 128 * (context + 1)
     weights = 2 * (linear + vocab_h + 32 * 2 * 4096 + 4096 + batch * 4096)  # the LM head whole, `batch` embedding rows
     kv = batch * 131_072 * (context + 1)
     read = kv / 3e12 + min(kv / 3e12, 32 * 20e-6)  # a short read costs itself again
-    expected = max(flops / 500e12, weights / 4e12 + read) + (8 * 32 + 6) * 2e-6
+    # The linears and attention are separate kernels: each bound by its own work, the two added.
+    expected = max(matmul_flops / 500e12, weights / 4e12) + max(attention_flops / 500e12, read) + (8 * 32 + 6) * 2e-6
     assert itl(d, batch, context).value == pytest.approx(expected)
-    assert weights / 4e12 + read > flops / 500e12  # memory-bound at batch 4
+    assert weights / 4e12 > matmul_flops / 500e12  # memory-bound at batch 4
+    # At batch 256 the linears are bound by their FLOPs, and attention's KV read comes on top.
+    big = 256
+    matmul_s = big * (2 * linear + 2 * vocab_h) / 500e12
+    kv = big * 131_072 * (context + 1)
+    read = kv / 3e12 + min(kv / 3e12, 32 * 20e-6)
+    assert matmul_s > 2 * (linear + vocab_h) / 4e12
+    assert itl(d, big, context).value == pytest.approx(matmul_s + read + (8 * 32 + 6) * 2e-6, rel=1e-3)
     long = 256 * 131_072 * (4096 + 1)  # a long read: its bytes and 20 us a layer
     assert itl(d, 256, 4096).terms.count(f"min({long / 3e12 * 1e3:.2f} ms, 32 layers x 20 us = 0.640 ms)") == 1
     # Past the largest graph (max_num_seqs here) a step is launched eagerly: the host's 32 layers x 1 ms
@@ -146,6 +155,14 @@ def test_ttft_of_a_short_prompt_is_the_host_and_of_a_long_one_the_gpu():
     assert llama.terms.startswith("2 steps' terms summed")  # 16,384 + 15,616 tokens
     flops = 2 * 6_979_321_856 * 32000 + 4 * 32 * 32 * 128 * (32000 * 32001 // 2) + 2 * 128256 * 4096
     assert llama.value == pytest.approx(flops / (989.5e12 * calibration.DATASHEET_GPU.compute), rel=0.03)
+
+
+def test_ttft_without_the_host_where_a_prefill_graph_holds_the_prompt():
+    eager = ttft(deployment(QWEN), 512)
+    graphs = ttft(deployment(QWEN, max_prefill_graph_tokens=512), 512)
+    assert graphs.value < eager.value / 5 and "host" not in graphs.terms  # the device's time alone
+    longer = ttft(deployment(QWEN, max_prefill_graph_tokens=256), 512)  # 512 tokens: no graph holds them
+    assert longer.value == eager.value
 
 
 def test_tokens_per_verify_step():

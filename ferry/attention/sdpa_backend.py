@@ -125,6 +125,8 @@ def _make_plan(metadata: AttentionMetadata, block_size: int, device: torch.devic
     for i, seq_len in enumerate(seq_lens):
         first, end = starts[i], starts[i + 1]
         q_len = end - first
+        if q_len == 0:  # a request of no tokens (a prefill graph's padding: executor/prefill_graphs.py)
+            continue
         blocks = tables[i, :-(-seq_len // block_size)]
         # Query j sits at position seq_len - q_len + j and sees keys 0 .. that position.
         mask = None if q_len == 1 else torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril_(seq_len - q_len)

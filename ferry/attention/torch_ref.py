@@ -35,6 +35,8 @@ class TorchReferenceBackend(AttentionBackend):
         out = torch.zeros_like(q)
         starts = metadata.query_start_loc_cpu
         for i, seq_len in enumerate(metadata.seq_lens_cpu):
+            if starts[i + 1] == starts[i]:  # a request of no tokens (a prefill graph's padding)
+                continue
             keys, values = gather_kv(kv_cache, metadata.block_tables[i], seq_len, kv_scales)
             rows = slice(starts[i], starts[i + 1])
             out[rows] = causal_attention(q[rows], keys, values, scale)

@@ -98,6 +98,7 @@ def _engine_flags(d: Deployment) -> list[str]:
         "--kv-cache-dtype", config.cache.kv_cache_dtype,
         "--gpu-memory-utilization", str(config.cache.gpu_memory_utilization),
         "--max-num-batched-tokens", str(config.scheduler.max_num_batched_tokens),
+        "--max-prefill-graph-tokens", str(config.max_prefill_graph_tokens),
         "--peak-tflops", str(hw.peak_flops / 1e12), "--bandwidth-tbps", str(hw.bandwidth_bytes_per_s / 1e12),
     ]
     if config.model.quantization:

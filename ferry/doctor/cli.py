@@ -18,7 +18,7 @@ from ferry.config import ENGINE_OPTIONS, MAX_SPECULATIVE_TOKENS, EngineConfig
 
 # The engine's options the predictions depend on, with the engine's defaults and help.
 ENGINE_FLAGS = ("dtype", "quantization", "kv_cache_dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                "gpu_memory_utilization", "block_size")
+                "gpu_memory_utilization", "block_size", "max_prefill_graph_tokens")
 DESCRIPTION = ("Predict an engine's memory, TTFT, ITL and throughput from a model's config.json and a GPU, each "
                "figure with its formula; --check measures the same on this machine.")
 

@@ -15,8 +15,9 @@ The linear layers (and the LM head) and attention are separate kernels, one afte
 each is bound by its own work: at a decode batch of 256 the linears of Llama-3.1-8B are bound by
 their FLOPs while attention, beside them, is bound by its KV read; the two add.
 
-A prefill is launched eagerly (one step per max_num_batched_tokens), a decode step replays a CUDA
-graph up to the largest captured batch size.
+A prefill is launched eagerly (one step per max_num_batched_tokens) unless a prefill graph holds
+its tokens (max_prefill_graph_tokens); a decode step replays a CUDA graph up to the largest captured
+batch size.
 """
 
 from __future__ import annotations
@@ -201,10 +202,17 @@ def prefill_chunks(prompt_len: int, num_prompts: int, budget: int) -> list[tuple
 
 
 def prefill(d: Deployment, prompt_len: int, num_prompts: int = 1) -> StepTime:
-    """The prompts' steps, each launched eagerly, summed."""
+    """The prompts' steps summed, each launched eagerly unless a prefill graph holds its tokens."""
     chunks = prefill_chunks(prompt_len, num_prompts, d.config.scheduler.max_num_batched_tokens)
-    times = [step_time(d, step, sampled, eager_host_seconds(d, sum(q for q, _ in step))) for step, sampled in chunks]
+    times = [step_time(d, step, sampled, _prefill_host_seconds(d, sum(q for q, _ in step))) for step, sampled in chunks]
     return StepTime(*(sum(values) for values in zip(*times)))
+
+
+def _prefill_host_seconds(d: Deployment, tokens: int) -> float:
+    """A step with prefill chunks replays a graph where one holds its tokens (max_prefill_graph_tokens,
+    executor/prefill_graphs.py), and is launched eagerly otherwise."""
+    sizes = () if d.config.enforce_eager else d.config.prefill_graph_sizes
+    return 0.0 if sizes and tokens <= sizes[-1] else eager_host_seconds(d, tokens)
 
 
 def describe(t: StepTime, d: Deployment) -> str:

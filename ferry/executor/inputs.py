@@ -1,6 +1,7 @@
 """One step's batch as the model takes it: every scheduled token flattened into one row of tensors,
 with the attention metadata that says which request each token belongs to. The runner builds it
-(model_runner.py), and so do the decode graphs, into their captured buffers (cuda_graph.py).
+(model_runner.py), and so do the decode and prefill graphs, into their captured buffers
+(cuda_graph.py, prefill_graphs.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class ModelInputs:
     logits_indices: torch.Tensor | slice
     sample_rows: list[int]  # index into scheduled of each request that samples
     prompt_logprob_rows: list[tuple[int, int, int]]  # (scheduled index, first logits row, count)
+    padded: bool = False  # in the prefill graphs' buffers, padded to a captured token count (prefill_graphs.py)
 
 
 def fill_block_table(table: np.ndarray, tables: list[list[int]], lengths: np.ndarray) -> None:

@@ -53,6 +53,7 @@ from ferry.transfer import to_device
 
 if TYPE_CHECKING:
     from ferry.executor.cuda_graph import DecodeGraphRunner
+    from ferry.executor.prefill_graphs import PrefillGraphRunner
     from ferry.spec.proposer import Proposer
     from ferry.structured.grammar import Grammars
 
@@ -128,6 +129,7 @@ class ModelRunner:
         decode_graphs: DecodeGraphRunner | None = None,
         proposer: Proposer | None = None,
         grammars: Grammars | None = None,
+        prefill_graphs: PrefillGraphRunner | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -137,6 +139,7 @@ class ModelRunner:
         self.backend = backend
         self.sampler = sampler
         self.decode_graphs = decode_graphs
+        self.prefill_graphs = prefill_graphs
         self.proposer = proposer
         spec = config.speculative_config
         self.disable_by_batch_size = spec.disable_by_batch_size if spec is not None else None
@@ -172,7 +175,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Drop the model, the KV cache and the graphs, so that their device memory can be freed."""
         self._drop_waiting()
-        self.decode_graphs = None
+        self.decode_graphs = self.prefill_graphs = None
         self.kv_caches = []
         self.proposer = None
         self.model = None
@@ -211,6 +214,8 @@ class ModelRunner:
         self._fill_in_flight(scheduled, positions, inputs.input_ids)
         if graph_inputs is not None:
             hidden = self.decode_graphs.forward(inputs)
+        elif inputs.padded:
+            hidden = self.prefill_graphs.forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
         else:
             ctx = ForwardContext(inputs.attn_metadata, self.kv_caches, self.backend)
             hidden = self.model(inputs.input_ids, inputs.positions, ctx)
@@ -345,13 +350,22 @@ class ModelRunner:
             kv_cache[:, dst] = kv_cache[:, src]
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest], in_flight: Sequence[int] = ()) -> ModelInputs:
-        """The flat batch of a step; `in_flight`: positions of tokens whose ids the device fills in."""
+        """The flat batch of a step; `in_flight`: positions of tokens whose ids the device fills in.
+        Padded into the prefill graphs' buffers where they take it (prefill_graphs.py), its rows the same."""
         num_reqs = len(scheduled)
         query_lens = np.fromiter((len(s.token_ids) for s in scheduled), np.int64, num_reqs)
         starts = np.fromiter((s.start_pos for s in scheduled), np.int64, num_reqs)
         tables = [self._states[item.request_id].block_ids for item in scheduled]
-        positions, metadata, query_start_loc = flat_batch(query_lens, starts, tables, self.block_size, self.device)
         input_ids = _without_in_flight([t for s in scheduled for t in s.token_ids], in_flight)
+        padded = None
+        if self.prefill_graphs is not None:
+            padded = self.prefill_graphs.prepare(input_ids, query_lens, starts, tables)
+        if padded is not None:
+            input_ids, positions, metadata = padded
+            query_start_loc = metadata.query_start_loc_cpu
+        else:
+            positions, metadata, query_start_loc = flat_batch(query_lens, starts, tables, self.block_size, self.device)
+            input_ids = to_device(input_ids, torch.int64, self.device)
         sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
         # The last token of each request that samples, and before it the proposals it verifies.
         logits_indices = [
@@ -364,12 +378,13 @@ class ModelRunner:
                 prompt_logprob_rows.append((i, len(logits_indices), int(query_lens[i])))
                 logits_indices.extend(range(int(query_start_loc[i]), int(query_start_loc[i + 1])))
         return ModelInputs(
-            input_ids=to_device(input_ids, torch.int64, self.device),
+            input_ids=input_ids,
             positions=positions,
             attn_metadata=metadata,
             logits_indices=to_device(logits_indices, torch.int64, self.device),
             sample_rows=sample_rows,
             prompt_logprob_rows=prompt_logprob_rows,
+            padded=padded is not None,
         )
 
     def prepare_decode_graph(
@@ -653,10 +668,11 @@ def build_model_runner(
     backend = get_attention_backend(device, config.attention_backend)
     query_lens = (1,) if proposer is None else (1, 1 + proposer.num_speculative_tokens)
     decode_graphs = _decode_graphs(config, model, kv_caches, backend, query_lens)
+    prefill_graphs = _prefill_graphs(config, model, kv_caches, backend)
     if proposer is not None:
         proposer.allocate(config, num_blocks, get_attention_backend(device, config.attention_backend))
     return ModelRunner(config, model, kv_caches, backend, Sampler(seed=config.seed, device=device), decode_graphs,
-                       proposer, grammars)
+                       proposer, grammars, prefill_graphs)
 
 
 def _check_fp8_kv(config: EngineConfig, device: torch.device) -> None:
@@ -678,6 +694,22 @@ def _decode_graphs(
 
     graphs = DecodeGraphRunner(model, kv_caches, backend, config.decode_graph_sizes, config.model.max_model_len,
                                query_lens)
+    if kv_caches[0].device.type == "cuda":
+        graphs.capture()
+    return graphs
+
+
+def _prefill_graphs(config: EngineConfig, model, kv_caches: list[torch.Tensor], backend) -> PrefillGraphRunner | None:
+    """With max_prefill_graph_tokens (and not enforce_eager): graphs of steps with prefill chunks,
+    captured on a CUDA device after the decode graphs, into a pool of their own; on a CPU they run the
+    same padded steps eagerly."""
+    sizes = config.prefill_graph_sizes
+    if config.enforce_eager or not sizes:
+        return None
+    from ferry.executor.prefill_graphs import PrefillGraphRunner
+
+    graphs = PrefillGraphRunner(model, kv_caches, backend, sizes, config.scheduler.max_num_seqs,
+                                config.model.max_model_len)
     if kv_caches[0].device.type == "cuda":
         graphs.capture()
     return graphs
