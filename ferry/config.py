@@ -161,6 +161,21 @@ class ModelConfig:
         return self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.num_heads
 
     @property
+    def sliding_window(self) -> int | None:
+        """The attention window of every layer where ferry applies one: None when the model has none,
+        or it is at least max_model_len (a query then sees every key anyway). The model class says
+        whether it implements windows and where its config keeps one (`sliding_window(hf_config)`)."""
+        from ferry.models.registry import get_model_class, supported_architectures
+
+        if self.architecture not in supported_architectures():  # (a test's stand-in model)
+            return None
+        model_class = get_model_class(self.architecture)
+        if not getattr(model_class, "implements_sliding_window", False):
+            return None
+        window = model_class.sliding_window(self.hf_config)
+        return window if window is not None and window < self.max_model_len else None
+
+    @property
     def moe(self) -> MoeConfig | None:
         """The experts of a mixture-of-experts model; None for a dense one."""
         return read_moe_config(self.hf_config)
@@ -453,6 +468,10 @@ def _draft_model(model: str, target: ModelConfig) -> ModelConfig:
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"speculative_config: the draft model's vocabulary ({draft.vocab_size} tokens) is not the "
                          f"target's ({target.vocab_size}): a draft must share the target's tokenizer")
+    if target.sliding_window is not None:
+        # The draft's cache lives in the target's blocks, which the window gives back as it slides.
+        raise ValueError(f"speculative_config: a draft model with a sliding-window target ({target.architecture}, "
+                         f"window {target.sliding_window}) is not supported; prompt lookup (method ngram) is")
     return draft
 
 

@@ -186,12 +186,20 @@ def test_unknown_architecture_lists_supported(tmp_path):
         load_model(config, "cpu")
 
 
-def test_sliding_window_shorter_than_context_is_refused(tmp_path):
-    config = ModelConfig.from_pretrained(make_tiny_model("mistral", tmp_path))
-    windowed = dataclasses.replace(config, hf_config={**config.hf_config, "sliding_window": 64})
+def test_a_window_ferry_does_not_implement_is_refused_where_it_binds(tmp_path):
+    """Qwen2's windows (per layer, past max_window_layers) are not built; Mistral's are (one window
+    for every layer: test_sliding_window.py)."""
+    config = ModelConfig.from_pretrained(make_tiny_model("qwen2", tmp_path))
+    windowed = dataclasses.replace(config, hf_config={**config.hf_config, "sliding_window": 64,
+                                                      "use_sliding_window": True})
+    assert windowed.sliding_window is None  # not applied, so refused:
     with pytest.raises(ValueError, match="sliding-window"):
         load_model(windowed, "cpu")
     load_model(dataclasses.replace(windowed, max_model_len=64), "cpu")  # the window never binds
+    mistral = ModelConfig.from_pretrained(make_tiny_model("mistral", tmp_path / "mistral"))
+    mistral = dataclasses.replace(mistral, hf_config={**mistral.hf_config, "sliding_window": 64})
+    assert mistral.sliding_window == 64
+    load_model(mistral, "cpu")
 
 
 def test_dummy_weights_need_no_checkpoint_and_are_reproducible(tmp_path):

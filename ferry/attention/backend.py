@@ -9,6 +9,9 @@ context in the KV cache, so its query tokens sit at the last positions of that c
                              already cached (earlier steps)  | this step's query tokens
     query token j attends to context positions 0 .. seq_len-query_len+j  (causal)
 
+A layer with a sliding window W (Mistral) sees only the last W of those: positions
+p - W + 1 .. p for the query at position p, as transformers masks them.
+
 The KV cache of one layer is one tensor (2, num_blocks, block_size, num_kv_heads, head_dim): K and V
 cut into fixed-size blocks, in the model's dtype or in float8 e4m3 (torch_ref.py says how FP8
 values are scaled: the layer's `kv_scales`, one K and one V scale per KV head). Token t of request i lives in block `block_tables[i][t // block_size]` at
@@ -60,6 +63,7 @@ class AttentionBackend(ABC):
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # (num_kv_heads,) float32 each: K's, V's
+        sliding_window: int | None = None,  # a query sees only the last this many keys, itself included
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         ...
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata
-from ferry.attention.torch_ref import is_fp8, to_cache
+from ferry.attention.torch_ref import is_fp8, to_cache, visible_mask
 
 
 @dataclass
@@ -39,7 +39,7 @@ class _Plan:
 
 class SdpaAttentionBackend(AttentionBackend):
     def __init__(self) -> None:
-        self._planned: tuple[AttentionMetadata, _Plan] | None = None
+        self._planned: tuple[AttentionMetadata, int | None, _Plan] | None = None
 
     def forward(
         self,
@@ -50,8 +50,9 @@ class SdpaAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
-        plan = self._plan(metadata, kv_cache.shape[2], q.device)
+        plan = self._plan(metadata, kv_cache.shape[2], q.device, sliding_window)
         _store(k, v, kv_cache, plan, kv_scales)
         if plan.decode_blocks is not None:
             num_reqs = len(metadata.seq_lens_cpu)
@@ -78,11 +79,11 @@ class SdpaAttentionBackend(AttentionBackend):
         keys, values = _gather(kv_cache, blocks, kv_scales)[:, None, :seq_len]  # each (1, len, kv_heads, dim)
         return _attention(q.transpose(0, 1)[None], keys, values, mask, scale)[0].transpose(0, 1)
 
-    def _plan(self, metadata: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
-        if self._planned is not None and self._planned[0] is metadata:
-            return self._planned[1]
-        plan = _make_plan(metadata, block_size, device)
-        self._planned = (metadata, plan)
+    def _plan(self, metadata: AttentionMetadata, block_size: int, device: torch.device, window: int | None) -> _Plan:
+        if self._planned is not None and self._planned[0] is metadata and self._planned[1] == window:
+            return self._planned[2]
+        plan = _make_plan(metadata, block_size, device, window)
+        self._planned = (metadata, window, plan)
         return plan
 
 
@@ -102,7 +103,7 @@ def _store(
         flat.index_copy_(1, plan.slots, kv if kv.dtype == kv_cache.dtype else kv.to(kv_cache.dtype))
 
 
-def _make_plan(metadata: AttentionMetadata, block_size: int, device: torch.device) -> _Plan:
+def _make_plan(metadata: AttentionMetadata, block_size: int, device: torch.device, window: int | None) -> _Plan:
     slots = metadata.slot_mapping.long()
     real = slots >= 0
     stored = None
@@ -117,9 +118,13 @@ def _make_plan(metadata: AttentionMetadata, block_size: int, device: torch.devic
         blocks = tables[:, :width]  # (the longest request's table has them all; shorter rows end in padding)
         decode_len = max(seq_lens)
         mask = None
-        if num_reqs > 1:
-            lens = torch.tensor(seq_lens, device=device)
-            mask = (torch.arange(decode_len, device=device) < lens[:, None])[:, None, None]  # (num_reqs, 1, 1, len)
+        if num_reqs > 1 or (window is not None and decode_len > window):
+            lens = torch.tensor(seq_lens, device=device)[:, None]
+            keys = torch.arange(decode_len, device=device)
+            mask = keys < lens  # (num_reqs, len): the request's context ...
+            if window is not None:
+                mask &= keys >= lens - window  # ... its last `window` keys
+            mask = mask[:, None, None]  # (num_reqs, 1, 1, len)
         return _Plan(slots, stored, blocks.flatten(), decode_len, mask, [])
     requests = []
     for i, seq_len in enumerate(seq_lens):
@@ -129,7 +134,7 @@ def _make_plan(metadata: AttentionMetadata, block_size: int, device: torch.devic
             continue
         blocks = tables[i, :-(-seq_len // block_size)]
         # Query j sits at position seq_len - q_len + j and sees keys 0 .. that position.
-        mask = None if q_len == 1 else torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril_(seq_len - q_len)
+        mask = visible_mask(q_len, seq_len, window, device)
         requests.append((first, end, blocks, seq_len, mask))
     return _Plan(slots, stored, None, 0, None, requests)
 

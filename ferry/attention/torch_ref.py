@@ -29,6 +29,7 @@ class TorchReferenceBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         store_kv(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         # Rows past the last request (padding) are attended by no one and stay zero.
@@ -39,7 +40,7 @@ class TorchReferenceBackend(AttentionBackend):
                 continue
             keys, values = gather_kv(kv_cache, metadata.block_tables[i], seq_len, kv_scales)
             rows = slice(starts[i], starts[i + 1])
-            out[rows] = causal_attention(q[rows], keys, values, scale)
+            out[rows] = causal_attention(q[rows], keys, values, scale, sliding_window)
         return out
 
 
@@ -91,19 +92,35 @@ def to_cache(
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
-def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sliding_window: int | None = None,
+) -> torch.Tensor:
     """softmax(q k^T * scale) v for queries that are the last q_len of the keys' seq_len tokens.
 
     q: (q_len, num_heads, head_dim); keys, values: (seq_len, num_kv_heads, head_dim).
-    Query j sits at context position seq_len - q_len + j and sees keys 0 .. that position; query
+    Query j sits at context position seq_len - q_len + j and sees keys 0 .. that position (only the
+    last sliding_window of them, if given: visible_mask); query
     head h reads KV head h // (num_heads / num_kv_heads), as HF's repeat_kv lays them out.
     Accumulates in float32 whatever the input dtype.
     """
     q_len, seq_len = q.shape[0], keys.shape[0]
-    # (q_len, seq_len): True where the query may see the key. One query, the last position, sees all.
-    visible = None if q_len == 1 else torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril_(seq_len - q_len)
+    visible = visible_mask(q_len, seq_len, sliding_window, q.device)
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None], keys.float().transpose(0, 1)[None], values.float().transpose(0, 1)[None],
         attn_mask=visible, scale=scale, enable_gqa=True,
     )  # (1, num_heads, q_len, head_dim)
     return out[0].transpose(0, 1).to(q.dtype)  # (q_len, num_heads, head_dim)
+
+
+def visible_mask(q_len: int, seq_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
+    """(q_len, seq_len): True where query j (at position seq_len - q_len + j) may see key i:
+    i <= its position (causal), and i > its position - sliding_window where there is a window. None
+    where every query sees every key (one query, the last position, without a window cutting it)."""
+    first = seq_len - q_len  # the first query's position
+    window_cuts = sliding_window is not None and seq_len > sliding_window
+    if q_len == 1 and not window_cuts:
+        return None
+    visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril_(first)
+    if window_cuts:
+        visible.triu_(first - sliding_window + 1)
+    return visible

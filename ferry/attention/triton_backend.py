@@ -53,6 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         store_kv(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         q = q if q.stride(-1) == 1 else q.contiguous()
@@ -63,18 +64,20 @@ class TritonAttentionBackend(AttentionBackend):
         if num_real == 0:
             return out
         query_len = metadata.max_query_len
-        if query_len <= MAX_DECODE_QUERY_LEN and num_real == metadata.num_reqs * query_len:
+        # A window cuts each query token's keys at its own place: only one token a request keeps the
+        # decode kernel's split ranges simple, so a windowed verify step runs the varlen kernel.
+        decode = query_len == 1 or (query_len <= MAX_DECODE_QUERY_LEN and sliding_window is None)
+        if decode and num_real == metadata.num_reqs * query_len:
             # Every request brings query_len tokens, so request i owns rows i*query_len onwards.
-            num_splits = self.decode_num_splits or choose_num_splits(
-                metadata.num_reqs, kv_cache.shape[3], metadata.max_seq_len, q.device
-            )
+            longest = metadata.max_seq_len if sliding_window is None else min(metadata.max_seq_len, sliding_window)
+            num_splits = self.decode_num_splits or choose_num_splits(metadata.num_reqs, kv_cache.shape[3], longest, q.device)
             decode_attention(
                 q[:num_real], kv_cache, metadata.block_tables, metadata.seq_lens, scale, out[:num_real], num_splits,
-                query_len=query_len, kv_scales=kv_scales,
+                query_len=query_len, kv_scales=kv_scales, sliding_window=sliding_window,
             )
         else:
             prefill_attention(
                 q, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
-                num_real, scale, out, kv_scales=kv_scales,
+                num_real, scale, out, kv_scales=kv_scales, sliding_window=sliding_window,
             )
         return out

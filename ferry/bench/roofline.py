@@ -202,6 +202,7 @@ class ModelCost:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_params: int = 0
+    sliding_window: int | None = None  # every layer's attention window (ModelConfig.sliding_window)
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, kv_itemsize: int | None = None) -> ModelCost:
@@ -220,7 +221,7 @@ class ModelCost:
             tied=bool(hf.get("tie_word_embeddings", False)),
             weight_itemsize=config.dtype_bytes, kv_itemsize=kv_itemsize or config.dtype_bytes,
             linear_itemsize=1 if fp8 else config.dtype_bytes, fp8_linears=fp8 and fp8.activations != "none",
-            **_expert_fields(h, config.moe),
+            **_expert_fields(h, config.moe), sliding_window=config.sliding_window,
         )
 
     @property
@@ -263,9 +264,25 @@ class ModelCost:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_itemsize
 
     def attention_flops(self, query_len: int, seq_len: int) -> int:
+        return 4 * self.num_layers * self.num_heads * self.head_dim * self._pairs(query_len, seq_len)
+
+    def _pairs(self, query_len: int, seq_len: int) -> int:
+        """(query, key) pairs that attend: the query at position p sees p + 1 keys, or with a window
+        min(p + 1, w)."""
+        first = seq_len - query_len  # the first query's position
+        w = self.sliding_window
+        if w is None or seq_len <= w:
+            return query_len * first + query_len * (query_len + 1) // 2
+        low = max(0, min(seq_len, w) - first)  # queries at first .. first + low - 1 see p + 1 keys
+        return low * (2 * first + low + 1) // 2 + (query_len - low) * w
+
+    def kv_read_tokens(self, query_len: int, seq_len: int) -> int:
+        """Tokens of K/V a step's request moves: its cached keys that its queries see (all of them,
+        or with a window the last w - 1 before its first query), and its new tokens' written."""
         cached = seq_len - query_len
-        pairs = query_len * cached + query_len * (query_len + 1) // 2  # (query, key) pairs, causal
-        return 4 * self.num_layers * self.num_heads * self.head_dim * pairs
+        if self.sliding_window is not None:
+            cached = min(cached, self.sliding_window - 1)
+        return cached + query_len
 
     def step_cost(self, step: Step, sampled_rows: int) -> StepCost:
         if not step:
@@ -279,7 +296,7 @@ class ModelCost:
         head = max(gathered, lm_head) if self.tied else gathered + lm_head
         weights = (self.linear_params_read(num_tokens) * self._linear_bytes
                    + (self.norm_params + head) * self.weight_itemsize)
-        kv = self.kv_bytes_per_token * sum(s for _, s in step)  # c_i read + q_i written = s_i
+        kv = self.kv_bytes_per_token * sum(self.kv_read_tokens(q, s) for q, s in step)  # c_i read + q_i written = s_i
         fp8_flops = linear_flops if self.fp8_linears else 0
         return StepCost(float(flops), float(weights + kv), float(fp8_flops))
 

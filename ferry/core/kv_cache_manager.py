@@ -6,6 +6,13 @@ preempted. With prefix caching, each block is registered under its chained hash 
 scheduled full (its K/V are stored early in the very step that computes it, before any attention
 reads them, so a request admitted later in the same step may already share it), and a new request
 starts from the longest run of cached blocks that begins its tokens.
+
+With a sliding window W (every layer's), the query at position p reads only keys p - W + 1 .. p, so
+once a request's next token is at position c, every block wholly before c - W + 1 is dead to it:
+it is given back to the pool at once (and stays findable in the prefix cache until reused). Its
+table keeps the dead entries, so that token t still lives in entry t // block_size; no kernel reads
+them. A long generation then holds at most ceil(W / block_size) + 1 blocks, plus the one it grows
+into.
 """
 
 from __future__ import annotations
@@ -32,14 +39,18 @@ NO_HIT = PrefixHit([], 0)
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, sliding_window: int | None = None,
+    ) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.pool = BlockPool(num_blocks, self.prefix_cache)
         self._blocks: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}  # blocks of each request already in the cache
         self._fresh: set[int] = set()  # blocks registered during the current schedule() call
         self._dropped: dict[str, int] = {}  # blocks trimmed off each request's table, not yet told
+        self._released: dict[str, int] = {}  # leading blocks of each table given back: out of the window
 
     @property
     def num_blocks(self) -> int:
@@ -50,7 +61,13 @@ class KVCacheManager:
         return self.pool.usage
 
     def block_ids(self, request_id: str) -> list[int]:
+        """The request's table: entry t // block_size holds token t (with a window, the leading
+        entries may be given back already: `held_block_ids`)."""
         return self._blocks.get(request_id, [])
+
+    def held_block_ids(self, request_id: str) -> list[int]:
+        """The blocks the request holds: its table but the entries the window let go."""
+        return self._blocks.get(request_id, [])[self._released.get(request_id, 0):]
 
     def begin_step(self) -> None:
         self._fresh.clear()
@@ -118,6 +135,7 @@ class KVCacheManager:
             # A block boundary crossed (by one token, or by a token and its proposals).
             if self.prefix_cache is not None and num_tokens // self.block_size > num_computed // self.block_size:
                 self._register_full_blocks(request, blocks, num_tokens)
+            self._release_out_of_window(request.request_id, blocks, num_computed)
             return []
         # Shared cached blocks that sit in the free queue stop being free once taken.
         if max(needed, 0) + self.pool.num_free_among(hit.blocks) > self.pool.num_free_blocks:
@@ -129,7 +147,20 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if self.prefix_cache is not None:
             self._register_full_blocks(request, blocks, num_tokens)
+        self._release_out_of_window(request.request_id, blocks, num_computed)
         return new_blocks
+
+    def _release_out_of_window(self, request_id: str, blocks: list[int], next_position: int) -> None:
+        """Give back the leading blocks that no query from next_position on can see. (A step still
+        running may read them; whoever takes them next writes them in a later step, and a device
+        runs its steps in order.)"""
+        if self.sliding_window is None:
+            return
+        dead = max(0, next_position - self.sliding_window + 1) // self.block_size
+        released = self._released.get(request_id, 0)
+        if dead > released:
+            self.pool.free(blocks[released:dead][::-1])
+            self._released[request_id] = dead
 
     def _register_full_blocks(self, request: Request, blocks: list[int], num_tokens: int) -> None:
         cache = self.prefix_cache
@@ -141,7 +172,8 @@ class KVCacheManager:
             return
         cache.hash_blocks(request.all_token_ids[: num_full * self.block_size], self.block_size,
                           request.block_hashes, request.cache_salt)
-        for i in range(start, num_full):
+        # (Blocks the window gave back may belong to another request by now: never registered here.)
+        for i in range(max(start, self._released.get(request.request_id, 0)), num_full):
             if not cache.is_cached(blocks[i]):
                 cache.insert(request.block_hashes[i], blocks[i])
                 self._fresh.add(blocks[i])
@@ -172,9 +204,10 @@ class KVCacheManager:
             self._register_full_blocks(request, blocks, request.num_computed_tokens)
             self._register_partial_block(request, blocks)
         self._num_registered.pop(request.request_id, None)
-        if not blocks:
+        released = self._released.pop(request.request_id, 0)
+        if len(blocks or ()) <= released:
             return
-        self.pool.free(blocks[::-1])
+        self.pool.free(blocks[released:][::-1])
 
     def _register_partial_block(self, request: Request, blocks: list[int]) -> None:
         num_full, k = divmod(min(request.num_computed_tokens, request.num_tokens), self.block_size)

@@ -254,6 +254,8 @@ class Scheduler:
     def _reserved_blocks(self, request: Request) -> float:
         """Blocks kept free for `request`'s output still to come: the reserve share of it."""
         remaining = min(request.max_tokens - request.num_output_tokens, RESERVE_CLIP_TOKENS)
+        if self.kv_cache.sliding_window is not None:  # blocks past the window come back as it slides
+            remaining = min(remaining, self.kv_cache.sliding_window)
         return self.reserve_share * max(remaining, 0) / self.kv_cache.block_size
 
     def _preempt(self, request: Request) -> None:

@@ -115,7 +115,7 @@ def block_map(scheduler) -> dict[str, Any]:
     running = sorted(scheduler.running, key=lambda r: -r.num_computed_tokens)
     requests = []
     for request in running:
-        blocks = kv.block_ids(request.request_id)
+        blocks = kv.held_block_ids(request.request_id)
         if not blocks:
             continue
         ids = np.asarray(blocks, dtype=np.int64)

@@ -126,7 +126,7 @@ def step_time(d: Deployment, step: Step, sampled_rows: int, host_s: float = 0.0)
     """One step on each of the deployment's GPUs, which hold 1 / tensor_parallel of its weights and KV."""
     cost, machine, tp = d.cost, d.machine, d.tensor_parallel
     total = cost.step_cost(step, sampled_rows)
-    kv_bytes = cost.kv_bytes_per_token * sum(s for _, s in step) / tp  # read c_i, write q_i (step_cost's)
+    kv_bytes = cost.kv_bytes_per_token * sum(cost.kv_read_tokens(q, s) for q, s in step) / tp  # step_cost's
     weight_bytes = total.bytes / tp - kv_bytes
     compute_s = total.compute_seconds(machine.rates) / tp
     attention_s = sum(cost.attention_flops(q, s) for q, s in step) / tp / machine.rates.peak_flops

@@ -59,7 +59,8 @@ class LLMEngine:
         self.grammars = grammars  # checks the grammars of structured-output requests
         self.executor = executor  # runs the model: executor/executor.py says what the engine needs of it
         self.tokenizer = tokenizer
-        kv_cache = KVCacheManager(executor.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
+        kv_cache = KVCacheManager(executor.num_kv_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                  config.model.sliding_window)
         self.scheduler = Scheduler(config.scheduler, kv_cache, executor.num_lookahead_slots)
         self.output_processor = OutputProcessor(tokenizer)
         self.tracer = tracer

@@ -19,8 +19,11 @@ class Attention(nn.Module):
     write them; the loader finds them there). A 16-bit cache ignores them.
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int) -> None:
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, layer_idx: int, sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
+        self.sliding_window = sliding_window  # a query sees the last this many keys (itself included); None: all
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -35,5 +38,6 @@ class Attention(nn.Module):
         """q: (num_tokens, num_heads, head_dim); k, v: (num_tokens, num_kv_heads, head_dim).
         Returns (num_tokens, num_heads * head_dim), ready for o_proj."""
         kv_cache = ctx.kv_caches[self.layer_idx]
-        out = ctx.backend.forward(q, k, v, kv_cache, ctx.attn_metadata, self.scale, (self.k_scale, self.v_scale))
+        out = ctx.backend.forward(q, k, v, kv_cache, ctx.attn_metadata, self.scale, (self.k_scale, self.v_scale),
+                                  self.sliding_window)
         return out.flatten(1, 2)  # (num_tokens, num_heads * head_dim)

@@ -130,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         hf = config.hf_config
-        _check_supported(config, self.sliding_window(hf))
+        _check_supported(config, None if self.implements_sliding_window else self.sliding_window(hf))
         layers = [LlamaDecoderLayer(config, self.make_attention(config, i), self.make_mlp(config, i))
                   for i in range(config.num_layers)]
         self.model = LlamaModel(config, layers)
@@ -147,6 +147,10 @@ class LlamaForCausalLM(nn.Module):
         hf = config.hf_config
         return LlamaMLP(hf["hidden_size"], hf["intermediate_size"], bias=hf.get("mlp_bias", False))
 
+    # Whether the class masks attention by its config's window (and frees the blocks that leave it);
+    # a model with a window it does not implement is refused where the window would cut anything.
+    implements_sliding_window = False
+
     @staticmethod
     def sliding_window(hf_config: dict[str, Any]) -> int | None:
         return None
@@ -161,12 +165,20 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Llama's network; Mistral 7B v0.1 adds a sliding attention window, which ferry honours by
-    refusing contexts longer than the window (where it would change nothing)."""
+    """Llama's network; Mistral 7B v0.1 adds a sliding attention window: each query sees its last
+    `sliding_window` keys, in every layer, and the KV blocks that leave it are given back
+    (core/kv_cache_manager.py)."""
+
+    implements_sliding_window = True
 
     @staticmethod
     def sliding_window(hf_config: dict[str, Any]) -> int | None:
         return hf_config.get("sliding_window")
+
+    def make_attention(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        attention = super().make_attention(config, layer_idx)
+        attention.attn.sliding_window = config.sliding_window
+        return attention
 
 
 def _check_supported(config: ModelConfig, sliding_window: int | None) -> None:

@@ -129,6 +129,15 @@ def _row_ptrs(request_ptr, tok, heads, stride_tok, stride_head, QUERY_LEN: tl.co
     return ptrs
 
 
+@triton.jit
+def _first_key(seq_len, window, WINDOW: tl.constexpr):
+    """The first key a one-token query at position seq_len - 1 sees: 0, or with a sliding window
+    the first of its last `window` keys. Splits cut the keys from there on; both stages must agree."""
+    if WINDOW:
+        return tl.maximum(seq_len - window, 0)
+    return 0
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_table_req"])
 def _decode_split_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, lse_ptr,
@@ -140,10 +149,12 @@ def _decode_split_kernel(
     stride_table_req,
     stride_out_tok, stride_out_head, stride_out_split,
     stride_lse_tok, stride_lse_head,
+    window,  # with WINDOW (one query token a request only): the query sees its last `window` keys
     QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, WIDEN_Q: tl.constexpr, PDL: tl.constexpr,
+    WINDOW: tl.constexpr,
 ):
     let_next_kernel_start(PDL)
     wait_for_previous_kernel(PDL)  # before the early return of an empty split too (pdl.py)
@@ -153,8 +164,9 @@ def _decode_split_kernel(
 
     seq_len = tl.load(seq_lens_ptr + req)
     shared_len = seq_len - (QUERY_LEN - 1)  # keys 0 .. prefix, seen by every query token
-    split_len = _split_len(shared_len, num_splits, BLOCK_N)
-    start = split * split_len
+    first_key = _first_key(seq_len, window, WINDOW)
+    split_len = _split_len(shared_len - first_key, num_splits, BLOCK_N)
+    start = first_key + split * split_len
     if start >= shared_len:  # an empty trailing split: stage 2 skips it by the same formula
         return
     end = tl.minimum(start + split_len, shared_len)
@@ -224,18 +236,21 @@ def _decode_merge_kernel(
     stride_part_tok, stride_part_head, stride_part_split,
     stride_lse_tok, stride_lse_head,
     stride_out_tok, stride_out_head,
+    window,
     QUERY_LEN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr,  # BLOCK_S: num_splits rounded up to a power of two
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, WINDOW: tl.constexpr,
 ):
     let_next_kernel_start(PDL)
     wait_for_previous_kernel(PDL)
     token = tl.program_id(0)  # flat query token: request token // QUERY_LEN
     head = tl.program_id(1)
-    shared_len = tl.load(seq_lens_ptr + token // QUERY_LEN) - (QUERY_LEN - 1)
+    seq_len = tl.load(seq_lens_ptr + token // QUERY_LEN)
+    shared_len = seq_len - (QUERY_LEN - 1)
+    keys = shared_len - _first_key(seq_len, window, WINDOW)  # the keys the splits cut
     splits = tl.arange(0, BLOCK_S)
     # Empty splits wrote nothing; their rows of the buffers are garbage and must not be read.
-    valid = (splits < num_splits) & (splits * _split_len(shared_len, num_splits, BLOCK_N) < shared_len)
+    valid = (splits < num_splits) & (splits * _split_len(keys, num_splits, BLOCK_N) < keys)
     lse = tl.load(lse_ptr + token * stride_lse_tok + head * stride_lse_head + splits, mask=valid, other=float("-inf"))
     weight = tl.exp2(lse - tl.max(lse, axis=0))  # (BLOCK_S,), 0 for empty splits; split 0 is never empty
     dims = tl.arange(0, BLOCK_D)
@@ -257,15 +272,18 @@ def decode_attention(
     config: DecodeConfig | None = None,  # None: default_config's
     query_len: int = 1,  # Q: query tokens per request, the last Q of its context (a constexpr)
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's, (num_kv_heads,) each
+    sliding_window: int | None = None,  # one query token a request: it sees only its last this many keys
 ) -> None:
     """out[r*Q + j] = softmax(q[r*Q + j] k^T * scale) v over the first seq_lens[r] - Q + j + 1 cached
-    tokens of request r: each of its Q tokens sees the keys up to its own position."""
+    tokens of request r: each of its Q tokens sees the keys up to its own position (with a sliding
+    window, at query_len 1, the last sliding_window of them)."""
     num_tokens, num_heads, head_dim = q.shape
     num_reqs = num_tokens // query_len
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     assert num_reqs * query_len == num_tokens, "every request brings query_len tokens"
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    assert sliding_window is None or query_len == 1, "a windowed step of several tokens a request runs the varlen kernel"
     if num_splits == 1:
         partial = out[:, :, None, :]  # (num_tokens, num_heads, 1, head_dim): stage 1 writes the result
     else:
@@ -282,10 +300,12 @@ def decode_attention(
         block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
+        sliding_window or 0,
         QUERY_LEN=query_len, GROUP=group, BLOCK_H=max(_MIN_DOT_ROWS, triton.next_power_of_2(query_len * group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8_kv, WIDEN_Q=widens_query(q.dtype, fp8_kv),
+        WINDOW=sliding_window is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(q.device),
     )
     if num_splits == 1:
@@ -295,8 +315,9 @@ def decode_attention(
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
         out.stride(0), out.stride(1),
+        sliding_window or 0,
         QUERY_LEN=query_len, HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=config.block_n,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_N=config.block_n, WINDOW=sliding_window is not None,
         # One (BLOCK_S, head_dim) fp32 tile per program; 4 warps hold 64 splits x 128 dims at 64
         # values per thread (1 warp needed 181 registers for 33 splits).
         num_warps=4, **pdl_launch(q.device),

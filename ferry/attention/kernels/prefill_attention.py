@@ -87,10 +87,11 @@ def _prefill_kernel(
     stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head,
     stride_table_req,
     stride_out_tok, stride_out_head,
+    window,  # with WINDOW: a query at position p sees keys p - window + 1 .. p
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, WIDEN_Q: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, WIDEN_Q: tl.constexpr, WINDOW: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,24 +121,33 @@ def _prefill_kernel(
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
-    # -inf is safe: the first tile (full or diagonal) starts at a key <= prefix + first_tok, which
-    # every row sees, so every row's maximum is finite after it.
-    row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # -inf is safe without a window: the first tile (full or diagonal) starts at a key <= prefix +
+    # first_tok, which every row sees, so every row's maximum is finite after it. With a window a
+    # later row may see nothing of the first tiles, so the maximum starts finite instead: a tile
+    # that a row sees nothing of then adds 2**(-inf) = 0 for it, and the first key it sees sets it.
+    row_max = tl.full([BLOCK_M], -1e30 if WINDOW else float("-inf"), dtype=tl.float32)
     table_row = block_tables_ptr + req * stride_table_req
 
-    # Keys [0, full_end): whole tiles below the first row's position, visible to every row.
+    # Keys [first, full_end): whole tiles below the first row's position, visible to every row
+    # (first = 0), or, with a window, from the tile of the first row's first key on, each key masked
+    # per row by its window.
+    first = 0
+    if WINDOW:
+        first = tl.maximum(prefix + first_tok - window + 1, 0) // BLOCK_N * BLOCK_N
     full_end = (prefix + first_tok + 1) // BLOCK_N * BLOCK_N
     # Keys [full_end, kv_end): the diagonal, masked per row; kv_end is one past the last row's position.
     kv_end = prefix + tl.minimum(first_tok + BLOCK_Q, query_len)
-    for tile_start in range(0, full_end, BLOCK_N):
+    for tile_start in range(first, full_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         k, v = load_kv_tile(
             cache_ptr, table_row, pos, pos < full_end, kv_head, dims, dim_mask,
             stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, q, PAGE_SIZE,
         )
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+        if WINDOW:
+            scores = tl.where(pos[None, :] > row_pos[:, None] - window, scores, float("-inf"))
         acc, row_sum, row_max = online_softmax_step(acc, row_sum, row_max, scores, v, DOT_PRECISION)
-    for tile_start in range(full_end, kv_end, BLOCK_N):
+    for tile_start in range(tl.maximum(full_end, first), kv_end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         k, v = load_kv_tile(
             cache_ptr, table_row, pos, pos < kv_end, kv_head, dims, dim_mask,
@@ -145,6 +155,8 @@ def _prefill_kernel(
         )
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = pos[None, :] <= row_pos[:, None]  # also keeps pos < seq_len: row_pos < seq_len
+        if WINDOW:
+            visible &= pos[None, :] > row_pos[:, None] - window
         scores = tl.where(visible, scores, float("-inf"))
         acc, row_sum, row_max = online_softmax_step(acc, row_sum, row_max, scores, v, DOT_PRECISION)
 
@@ -164,6 +176,7 @@ def prefill_attention(
     out: torch.Tensor,  # (num_tokens, num_heads, head_dim); rows of requests written, others untouched
     config: PrefillConfig = PrefillConfig(),
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's, (num_kv_heads,) each
+    sliding_window: int | None = None,  # a query sees only the last this many keys, itself included
 ) -> None:
     """Causal attention of every request's query rows over its cached context (prefix + chunk)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -183,9 +196,11 @@ def prefill_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
+        sliding_window or 0,
         GROUP=group, BLOCK_M=config.block_m, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8_kv, WIDEN_Q=widens_query(q.dtype, fp8_kv),
+        WINDOW=sliding_window is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
