@@ -64,6 +64,7 @@ class AttentionBackend(ABC):
         scale: float,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # (num_kv_heads,) float32 each: K's, V's
         sliding_window: int | None = None,  # a query sees only the last this many keys, itself included
+        softcap: float | None = None,  # scores become softcap * tanh(score / softcap) before the softmax (Gemma 2)
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         ...
 

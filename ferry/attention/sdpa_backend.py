@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata
-from ferry.attention.torch_ref import is_fp8, to_cache, visible_mask
+from ferry.attention.torch_ref import TorchReferenceBackend, is_fp8, to_cache, visible_mask
 
 
 @dataclass
@@ -51,8 +51,12 @@ class SdpaAttentionBackend(AttentionBackend):
         scale: float,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         plan = self._plan(metadata, kv_cache.shape[2], q.device, sliding_window)
+        if softcap is not None:  # (no soft cap in torch's sdpa: the reference's arithmetic, request by request)
+            _store(k, v, kv_cache, plan, kv_scales)
+            return TorchReferenceBackend.attend(q, kv_cache, metadata, scale, kv_scales, sliding_window, softcap)
         _store(k, v, kv_cache, plan, kv_scales)
         if plan.decode_blocks is not None:
             num_reqs = len(metadata.seq_lens_cpu)

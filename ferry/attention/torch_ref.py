@@ -30,8 +30,17 @@ class TorchReferenceBackend(AttentionBackend):
         scale: float,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         store_kv(k, v, kv_cache, metadata.slot_mapping, kv_scales)
+        return self.attend(q, kv_cache, metadata, scale, kv_scales, sliding_window, softcap)
+
+    @staticmethod
+    def attend(
+        q: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None, sliding_window: int | None, softcap: float | None,
+    ) -> torch.Tensor:
+        """Each request's queries over its cached keys (already stored)."""
         # Rows past the last request (padding) are attended by no one and stay zero.
         out = torch.zeros_like(q)
         starts = metadata.query_start_loc_cpu
@@ -40,7 +49,7 @@ class TorchReferenceBackend(AttentionBackend):
                 continue
             keys, values = gather_kv(kv_cache, metadata.block_tables[i], seq_len, kv_scales)
             rows = slice(starts[i], starts[i + 1])
-            out[rows] = causal_attention(q[rows], keys, values, scale, sliding_window)
+            out[rows] = causal_attention(q[rows], keys, values, scale, sliding_window, softcap)
         return out
 
 
@@ -94,6 +103,7 @@ def to_cache(
 
 def causal_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v for queries that are the last q_len of the keys' seq_len tokens.
 
@@ -105,6 +115,8 @@ def causal_attention(
     """
     q_len, seq_len = q.shape[0], keys.shape[0]
     visible = visible_mask(q_len, seq_len, sliding_window, q.device)
+    if softcap is not None:
+        return softcapped_attention(q.float(), keys.float(), values.float(), visible, scale, softcap).to(q.dtype)
     out = F.scaled_dot_product_attention(
         q.float().transpose(0, 1)[None], keys.float().transpose(0, 1)[None], values.float().transpose(0, 1)[None],
         attn_mask=visible, scale=scale, enable_gqa=True,
@@ -124,3 +136,18 @@ def visible_mask(q_len: int, seq_len: int, sliding_window: int | None, device) -
     if window_cuts:
         visible.triu_(first - sliding_window + 1)
     return visible
+
+
+def softcapped_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor | None, scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with soft-capped scores, written out (sdpa has no soft cap), in q's dtype:
+    q (q_len, num_heads, head_dim); keys, values (seq_len, num_kv_heads, head_dim)."""
+    group = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)

@@ -54,6 +54,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
         sliding_window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # (num_tokens, num_heads, head_dim)
         store_kv(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         q = q if q.stride(-1) == 1 else q.contiguous()
@@ -73,11 +74,11 @@ class TritonAttentionBackend(AttentionBackend):
             num_splits = self.decode_num_splits or choose_num_splits(metadata.num_reqs, kv_cache.shape[3], longest, q.device)
             decode_attention(
                 q[:num_real], kv_cache, metadata.block_tables, metadata.seq_lens, scale, out[:num_real], num_splits,
-                query_len=query_len, kv_scales=kv_scales, sliding_window=sliding_window,
+                query_len=query_len, kv_scales=kv_scales, sliding_window=sliding_window, softcap=softcap,
             )
         else:
             prefill_attention(
                 q, kv_cache, metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
-                num_real, scale, out, kv_scales=kv_scales, sliding_window=sliding_window,
+                num_real, scale, out, kv_scales=kv_scales, sliding_window=sliding_window, softcap=softcap,
             )
         return out

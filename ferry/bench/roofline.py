@@ -211,7 +211,9 @@ class ModelCost:
         fp8 = config.quantization_spec  # (FP8 weights: a byte each, scales aside)
         h, d = hf["hidden_size"], config.head_dim
         norms = 2 * h  # input_layernorm, post_attention_layernorm
-        if config.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if config.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+            norms += 2 * h  # pre_ and post_feedforward_layernorm
+        if config.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"):
             norms += 2 * d  # q_norm, k_norm over each head
         return cls(
             hidden_size=h, vocab_size=config.vocab_size, num_layers=config.num_layers,

@@ -24,6 +24,7 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         self.sliding_window = sliding_window  # a query sees the last this many keys (itself included); None: all
+        self.softcap: float | None = None  # scores soft-capped to (-softcap, softcap) before the softmax (Gemma 2)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -39,5 +40,5 @@ class Attention(nn.Module):
         Returns (num_tokens, num_heads * head_dim), ready for o_proj."""
         kv_cache = ctx.kv_caches[self.layer_idx]
         out = ctx.backend.forward(q, k, v, kv_cache, ctx.attn_metadata, self.scale, (self.k_scale, self.v_scale),
-                                  self.sliding_window)
+                                  self.sliding_window, self.softcap)
         return out.flatten(1, 2)  # (num_tokens, num_heads * head_dim)

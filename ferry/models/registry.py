@@ -11,6 +11,8 @@ from torch import nn
 
 # architecture name -> (module, class name)
 _MODELS: dict[str, tuple[str, str]] = {
+    "Gemma2ForCausalLM": ("ferry.models.gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("ferry.models.gemma", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("ferry.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("ferry.models.llama", "MistralForCausalLM"),
     "MixtralForCausalLM": ("ferry.models.mixtral", "MixtralForCausalLM"),

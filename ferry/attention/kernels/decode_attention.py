@@ -56,7 +56,7 @@ import triton.language as tl
 
 from ferry.attention.kernels.launch import block_d, dot_precision, kv_scale_args, num_multiprocessors, widens_query
 from ferry.attention.kernels.paged_tiles import (
-    LOG2_E, fp8_query, kv_scales, load_kv_tile, online_softmax_step,
+    LOG2_E, fp8_query, kv_scales, load_kv_tile, online_softmax_step, soft_cap,
 )
 from ferry.kernels.pdl import let_next_kernel_start, pdl_launch, wait_for_previous_kernel
 
@@ -150,11 +150,12 @@ def _decode_split_kernel(
     stride_out_tok, stride_out_head, stride_out_split,
     stride_lse_tok, stride_lse_head,
     window,  # with WINDOW (one query token a request only): the query sees its last `window` keys
+    softcap_log2,  # with SOFTCAP: scores soft-capped at this (in log2 units)
     QUERY_LEN: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, WIDEN_Q: tl.constexpr, PDL: tl.constexpr,
-    WINDOW: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     let_next_kernel_start(PDL)
     wait_for_previous_kernel(PDL)  # before the early return of an empty split too (pdl.py)
@@ -204,6 +205,8 @@ def _decode_split_kernel(
             stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, q, PAGE_SIZE,
         )
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_H, BLOCK_N)
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap_log2)
         scores = tl.where(in_bounds[None, :], scores, float("-inf"))
         acc, row_sum, row_max = online_softmax_step(acc, row_sum, row_max, scores, v, DOT_PRECISION)
     if QUERY_LEN > 1:
@@ -216,6 +219,8 @@ def _decode_split_kernel(
                 stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, q, PAGE_SIZE,
             )
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            if SOFTCAP:
+                scores = soft_cap(scores, softcap_log2)
             visible = pos[None, :] <= row_pos[:, None]  # also keeps pos < seq_len for real rows
             scores = tl.where(visible, scores, float("-inf"))
             acc, row_sum, row_max = online_softmax_step(acc, row_sum, row_max, scores, v, DOT_PRECISION)
@@ -273,6 +278,7 @@ def decode_attention(
     query_len: int = 1,  # Q: query tokens per request, the last Q of its context (a constexpr)
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's, (num_kv_heads,) each
     sliding_window: int | None = None,  # one query token a request: it sees only its last this many keys
+    softcap: float | None = None,  # scores become softcap * tanh(score / softcap)
 ) -> None:
     """out[r*Q + j] = softmax(q[r*Q + j] k^T * scale) v over the first seq_lens[r] - Q + j + 1 cached
     tokens of request r: each of its Q tokens sees the keys up to its own position (with a sliding
@@ -300,12 +306,12 @@ def decode_attention(
         block_tables.stride(0),
         partial.stride(0), partial.stride(1), partial.stride(2),
         lse.stride(0), lse.stride(1),
-        sliding_window or 0,
+        sliding_window or 0, (softcap or 1.0) * LOG2_E,
         QUERY_LEN=query_len, GROUP=group, BLOCK_H=max(_MIN_DOT_ROWS, triton.next_power_of_2(query_len * group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8_kv, WIDEN_Q=widens_query(q.dtype, fp8_kv),
-        WINDOW=sliding_window is not None,
+        WINDOW=sliding_window is not None, SOFTCAP=softcap is not None,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(q.device),
     )
     if num_splits == 1:

@@ -84,6 +84,14 @@ def _widen_e4m3(x):
 
 
 @triton.jit
+def soft_cap(scores, cap):
+    """cap * tanh(scores / cap) (Gemma 2's attention soft cap; scores and cap in the same units, here
+    log2 ones): tanh(x) = 1 - 2 / (e^(2x) + 1), e^(2x) by exp2. Saturates to +-cap, never NaN."""
+    e = tl.exp2(scores * (2.0 * LOG2_E / cap))
+    return cap * (1.0 - 2.0 / (e + 1.0))
+
+
+@triton.jit
 def fp8_query(q, WIDEN_Q: tl.constexpr):
     """The query tile in the dtype the K/V tiles widen to: float16 for a 16-bit query over an FP8
     cache (WIDEN_Q, from launch.widens_query); as it is otherwise (float32 stays, for exact checks)."""

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ferry.attention.kernels.launch import block_d, dot_precision, kv_scale_args, widens_query
 from ferry.attention.kernels.paged_tiles import (
-    LOG2_E, fp8_query, kv_scales, load_kv_tile, online_softmax_step,
+    LOG2_E, fp8_query, kv_scales, load_kv_tile, online_softmax_step, soft_cap,
 )
 
 
@@ -88,10 +88,12 @@ def _prefill_kernel(
     stride_table_req,
     stride_out_tok, stride_out_head,
     window,  # with WINDOW: a query at position p sees keys p - window + 1 .. p
+    softcap_log2,  # with SOFTCAP: scores soft-capped at this (in log2 units: the cap times log2(e))
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, FP8_KV: tl.constexpr, WIDEN_Q: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -144,6 +146,8 @@ def _prefill_kernel(
             stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, q, PAGE_SIZE,
         )
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap_log2)
         if WINDOW:
             scores = tl.where(pos[None, :] > row_pos[:, None] - window, scores, float("-inf"))
         acc, row_sum, row_max = online_softmax_step(acc, row_sum, row_max, scores, v, DOT_PRECISION)
@@ -154,6 +158,8 @@ def _prefill_kernel(
             stride_cache_kv, stride_cache_block, stride_cache_tok, stride_cache_head, q, PAGE_SIZE,
         )
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap_log2)
         visible = pos[None, :] <= row_pos[:, None]  # also keeps pos < seq_len: row_pos < seq_len
         if WINDOW:
             visible &= pos[None, :] > row_pos[:, None] - window
@@ -177,6 +183,7 @@ def prefill_attention(
     config: PrefillConfig = PrefillConfig(),
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's, (num_kv_heads,) each
     sliding_window: int | None = None,  # a query sees only the last this many keys, itself included
+    softcap: float | None = None,  # scores become softcap * tanh(score / softcap)
 ) -> None:
     """Causal attention of every request's query rows over its cached context (prefix + chunk)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -196,11 +203,11 @@ def prefill_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0),
         out.stride(0), out.stride(1),
-        sliding_window or 0,
+        sliding_window or 0, (softcap or 1.0) * LOG2_E,
         GROUP=group, BLOCK_M=config.block_m, BLOCK_Q=block_q,
         HEAD_DIM=head_dim, BLOCK_D=block_d(head_dim),
         PAGE_SIZE=page_size, BLOCK_N=config.block_n,
         DOT_PRECISION=dot_precision(q.dtype), FP8_KV=fp8_kv, WIDEN_Q=widens_query(q.dtype, fp8_kv),
-        WINDOW=sliding_window is not None,
+        WINDOW=sliding_window is not None, SOFTCAP=softcap is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )

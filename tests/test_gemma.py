@@ -1,0 +1,163 @@
+"""Gemma 2 against Hugging Face transformers on a tiny random checkpoint: local layers with a window
+shorter than the prompts beside global ones, soft-capped attention scores and logits, Gemma's
+norms and scaled embeddings. Greedy tokens and logprobs through the engine with chunked prefill,
+preemption and prefix caching; and the soft cap in every attention backend."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported (test_cuda_graph.py)
+
+from ferry import LLM, SamplingParams  # noqa: E402
+from tiny_models import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, randomize_weights  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+
+WINDOW = 10
+MAX_TOKENS = 10
+
+
+def tiny_config(arch: str):
+    common = dict(
+        vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=512, rms_norm_eps=1e-6, bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID, pad_token_id=0, sliding_window=WINDOW, query_pre_attn_scalar=24,
+    )
+    if arch == "gemma2":
+        return transformers.Gemma2Config(**common, attn_logit_softcapping=3.0, final_logit_softcapping=5.0,
+                                         architectures=["Gemma2ForCausalLM"])
+    # Gemma 3: no soft caps; a global layer amid local ones, each kind with its own RoPE (the global
+    # one scaled).
+    return transformers.Gemma3TextConfig(
+        **common, layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}},
+        architectures=["Gemma3ForCausalLM"])
+
+
+def make_tiny_gemma(arch: str, path, seed: int = 0):
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch), attn_implementation="eager")
+    randomize_weights(model, seed)
+    with torch.no_grad():  # Gemma's norms scale by 1 + weight: weights around 0, not 1
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.sub_(1.0)
+    model.save_pretrained(path)
+    transformers.GenerationConfig(bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def checkpoint(request, tmp_path_factory):
+    return make_tiny_gemma(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, VOCAB_SIZE, (20,), generator=g).tolist()
+    shared = [prefix + torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (3, 17, 9)]
+    return [*shared, torch.randint(3, VOCAB_SIZE, (29,), generator=g).tolist(), prefix[:8], [5, 6, 7]]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
+    expected = []
+    for prompt in prompts():
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+        expected.append((tokens, logprobs))
+    return expected
+
+
+ENGINE_SETUPS = {
+    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=7),
+    "preemption": dict(block_size=4, num_kv_blocks=math.ceil(2 * 40 / 4), max_num_batched_tokens=64, decode_reserve=0),
+    "one_token_blocks": dict(block_size=1),
+}
+
+
+@pytest.mark.parametrize("setup", list(ENGINE_SETUPS))
+def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint, reference, setup):
+    llm = LLM(model=checkpoint, dtype="float32", enable_prefix_caching=True, **ENGINE_SETUPS[setup])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
+    requests = [{"prompt_token_ids": p} for p in prompts()]
+    for _ in range(2):
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        for out, (tokens, logprobs) in zip(outputs, reference):
+            completion = out.outputs[0]
+            assert completion.token_ids == tokens
+            got = [completion.logprobs[i][t].logprob for i, t in enumerate(tokens)]
+            assert got == pytest.approx(logprobs, abs=1e-4)
+    assert sum(out.num_cached_tokens for out in outputs) > 0
+    if setup == "preemption":
+        assert llm.engine.scheduler.num_preemptions > 0
+    pool = llm.engine.scheduler.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_local_and_global_layers(checkpoint):
+    llm = LLM(model=checkpoint, dtype="float32", num_kv_blocks=64)
+    model = llm.engine.executor.model
+    attn = [layer.self_attn.attn for layer in model.model.layers]
+    assert {a.scale for a in attn} == {24**-0.5}
+    if checkpoint.name.startswith("gemma2"):
+        assert [a.sliding_window for a in attn] == [WINDOW, None, WINDOW, None]
+        assert {a.softcap for a in attn} == {3.0} and model.final_softcap == 5.0
+        assert model.model.local_rotary_emb is None
+    else:
+        assert [a.sliding_window for a in attn] == [WINDOW, WINDOW, None, WINDOW]
+        assert {a.softcap for a in attn} == {None} and model.final_softcap is None
+        assert model.model.local_rotary_emb is not None
+    # The global layers need every key: no block is given back as the window slides.
+    assert llm.engine.scheduler.kv_cache.sliding_window is None
+
+
+@pytest.mark.parametrize("window", [None, 33])
+@pytest.mark.parametrize("kind", ["decode", "mixed"])
+def test_soft_capped_attention_in_every_backend(kind, window):
+    """Triton's kernels (under the interpreter on a CPU) and sdpa against the reference, whose soft
+    cap is checked by hand: scores large enough (q scaled by 3) that the cap binds."""
+    pytest.importorskip("triton")
+    import test_triton_kernels  # noqa: F401  (patches the interpreter's gaps once a session)
+    from test_triton_kernels import MIXED_STEP, Step
+    from test_sliding_window_kernels import DECODE
+
+    from ferry.attention.sdpa_backend import SdpaAttentionBackend
+    from ferry.attention.torch_ref import TorchReferenceBackend, softcapped_attention
+    from ferry.attention.triton_backend import TritonAttentionBackend
+
+    step = Step(DECODE if kind == "decode" else MIXED_STEP, 2, 16, 64, torch.float32, q_scale=3.0)
+
+    def run(backend, softcap):
+        cache = step.kv_cache.clone()
+        return backend.forward(step.q, step.k, step.v, cache, step.metadata, step.scale, None, window, softcap)
+
+    expected = run(TorchReferenceBackend(), 0.5)
+    assert not torch.allclose(expected, run(TorchReferenceBackend(), None), atol=1e-3)  # the cap binds
+    for backend in (TritonAttentionBackend(), SdpaAttentionBackend()):
+        torch.testing.assert_close(run(backend, 0.5), expected, atol=1e-4, rtol=1e-4)
+    # The reference's soft cap by hand, one query over three keys.
+    q, k, v = torch.randn(1, 2, 4), torch.randn(3, 1, 4), torch.randn(3, 1, 4)
+    scores = torch.tanh(torch.einsum("qhd,khd->hqk", q, k.expand(3, 2, 4)) * 0.5 / 2.0) * 2.0
+    by_hand = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.expand(3, 2, 4))
+    torch.testing.assert_close(softcapped_attention(q, k, v, None, 0.5, 2.0), by_hand)
+
+
+def test_the_roofline_counts_gemmas_parameters(checkpoint):
+    from ferry.bench.roofline import ModelCost
+    from ferry.config import ModelConfig
+
+    cost = ModelCost.from_model_config(ModelConfig.from_pretrained(checkpoint))
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert cost.num_params == sum(p.numel() for p in model.parameters())  # four norms a layer (and q/k norms)
