@@ -96,10 +96,12 @@ class GemvConfig:
 
 
 # Few, because each compiles at startup: the fastest over Qwen3-0.6B's and Llama-3.1-8B's layer shapes
-# on an H200, at one, four and eight rows (`python -m ferry.bench.gemv` times them all).
+# on an H200, at one, four and eight rows (`python -m ferry.bench.gemv` times them all). 8 x 4096 with
+# 8 warps: Llama-3.1-8B's gate_up over FP8 weights at one row, 28.7 us against 30.6 with the best of
+# the others (docs/benchmarks.md, "Where the FP8 time goes").
 CANDIDATES = (
     GemvConfig(2, 1024, 4), GemvConfig(2, 2048, 8), GemvConfig(4, 512, 4), GemvConfig(4, 1024, 4),
-    GemvConfig(8, 2048, 8), GemvConfig(16, 1024, 8),
+    GemvConfig(8, 2048, 8), GemvConfig(16, 1024, 8), GemvConfig(8, 4096, 8),
 )
 # For two rows or more, also the tensor-core kernel, its batch rows padded to MMA_ROWS.
 MMA_ROWS = 16
