@@ -161,19 +161,28 @@ class ModelConfig:
         return self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.num_heads
 
     @property
-    def sliding_window(self) -> int | None:
-        """The attention window of every layer where ferry applies one: None when the model has none,
-        or it is at least max_model_len (a query then sees every key anyway). The model class says
-        whether it implements windows and where its config keeps one (`sliding_window(hf_config)`)."""
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window where ferry applies one, None where the layer attends to
+        every key: a window at least max_model_len cuts nothing and counts as none. The model class
+        says which windows it implements: one for every layer (`sliding_window(hf_config)`, Mistral)
+        or one a layer (`layer_windows(hf_config)`, Gemma's local and global layers)."""
         from ferry.models.registry import get_model_class, supported_architectures
 
-        if self.architecture not in supported_architectures():  # (a test's stand-in model)
-            return None
-        model_class = get_model_class(self.architecture)
-        if not getattr(model_class, "implements_sliding_window", False):
-            return None
-        window = model_class.sliding_window(self.hf_config)
-        return window if window is not None and window < self.max_model_len else None
+        windows: list[int | None] = [None] * self.num_layers
+        if self.architecture in supported_architectures():  # (else a test's stand-in model)
+            model_class = get_model_class(self.architecture)
+            if hasattr(model_class, "layer_windows"):
+                windows = list(model_class.layer_windows(self.hf_config))
+            elif getattr(model_class, "implements_sliding_window", False):
+                windows = [model_class.sliding_window(self.hf_config)] * self.num_layers
+        return tuple(w if w is not None and w < self.max_model_len else None for w in windows)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of every layer, where all have the same one (then the KV blocks that leave it
+        can be given back: core/kv_cache_manager.py); None otherwise."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
 
     @property
     def moe(self) -> MoeConfig | None:

@@ -161,3 +161,23 @@ def test_the_roofline_counts_gemmas_parameters(checkpoint):
     cost = ModelCost.from_model_config(ModelConfig.from_pretrained(checkpoint))
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint)
     assert cost.num_params == sum(p.numel() for p in model.parameters())  # four norms a layer (and q/k norms)
+
+
+def test_the_roofline_counts_the_local_layers_window(checkpoint):
+    """Half the layers (Gemma 2) or three in four (Gemma 3) read only the window's keys."""
+    from ferry.bench.roofline import ModelCost
+    from ferry.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(checkpoint)
+    cost = ModelCost.from_model_config(config)
+    local = sum(w is not None for w in config.layer_windows)
+    assert (cost.sliding_window, cost.windowed_layers) == (WINDOW, local) and local in (2, 3)
+    assert config.sliding_window is None  # not every layer: no block is given back
+    per_layer = 4 * cost.num_heads * cost.head_dim
+    for query_len, seq_len in [(1, 5), (1, 40), (30, 30), (7, 19)]:
+        full = sum(p + 1 for p in range(seq_len - query_len, seq_len))
+        windowed = sum(min(p + 1, WINDOW) for p in range(seq_len - query_len, seq_len))
+        assert cost.attention_flops(query_len, seq_len) == per_layer * (local * windowed + (4 - local) * full)
+        cached = seq_len - query_len
+        read = query_len + (local * min(cached, WINDOW - 1) + (4 - local) * cached) / 4
+        assert cost.kv_read_tokens(query_len, seq_len) == pytest.approx(read)

@@ -47,7 +47,7 @@ import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -202,7 +202,10 @@ class ModelCost:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_params: int = 0
-    sliding_window: int | None = None  # every layer's attention window (ModelConfig.sliding_window)
+    # An attention window of `sliding_window` keys in `windowed_layers` of the layers (all of them in
+    # Mistral, the local ones in Gemma; ModelConfig.layer_windows); the others attend to every key.
+    sliding_window: int | None = None
+    windowed_layers: int = 0
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, kv_itemsize: int | None = None) -> ModelCost:
@@ -223,7 +226,7 @@ class ModelCost:
             tied=bool(hf.get("tie_word_embeddings", False)),
             weight_itemsize=config.dtype_bytes, kv_itemsize=kv_itemsize or config.dtype_bytes,
             linear_itemsize=1 if fp8 else config.dtype_bytes, fp8_linears=fp8 and fp8.activations != "none",
-            **_expert_fields(h, config.moe), sliding_window=config.sliding_window,
+            **_expert_fields(h, config.moe), **_window_fields(config.layer_windows),
         )
 
     @property
@@ -266,25 +269,29 @@ class ModelCost:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_itemsize
 
     def attention_flops(self, query_len: int, seq_len: int) -> int:
-        return 4 * self.num_layers * self.num_heads * self.head_dim * self._pairs(query_len, seq_len)
+        full, windowed = self._pairs(query_len, seq_len, None), self._pairs(query_len, seq_len, self.sliding_window)
+        layers = (self.num_layers - self.windowed_layers) * full + self.windowed_layers * windowed
+        return 4 * self.num_heads * self.head_dim * layers
 
-    def _pairs(self, query_len: int, seq_len: int) -> int:
-        """(query, key) pairs that attend: the query at position p sees p + 1 keys, or with a window
-        min(p + 1, w)."""
+    @staticmethod
+    def _pairs(query_len: int, seq_len: int, w: int | None) -> int:
+        """(query, key) pairs of one layer that attend: the query at position p sees p + 1 keys, or
+        with a window min(p + 1, w)."""
         first = seq_len - query_len  # the first query's position
-        w = self.sliding_window
         if w is None or seq_len <= w:
             return query_len * first + query_len * (query_len + 1) // 2
         low = max(0, min(seq_len, w) - first)  # queries at first .. first + low - 1 see p + 1 keys
         return low * (2 * first + low + 1) // 2 + (query_len - low) * w
 
-    def kv_read_tokens(self, query_len: int, seq_len: int) -> int:
-        """Tokens of K/V a step's request moves: its cached keys that its queries see (all of them,
-        or with a window the last w - 1 before its first query), and its new tokens' written."""
+    def kv_read_tokens(self, query_len: int, seq_len: int) -> float:
+        """Tokens of K/V a step's request moves, averaged over the layers: its cached keys that its
+        queries see (all of them, or in a windowed layer the last w - 1 before its first query), and
+        its new tokens' written. Times kv_bytes_per_token, the bytes."""
         cached = seq_len - query_len
-        if self.sliding_window is not None:
-            cached = min(cached, self.sliding_window - 1)
-        return cached + query_len
+        if self.sliding_window is None or not self.windowed_layers:
+            return seq_len
+        windowed = min(cached, self.sliding_window - 1)
+        return query_len + (self.windowed_layers * windowed + (self.num_layers - self.windowed_layers) * cached) / self.num_layers
 
     def step_cost(self, step: Step, sampled_rows: int) -> StepCost:
         if not step:
@@ -301,6 +308,17 @@ class ModelCost:
         kv = self.kv_bytes_per_token * sum(self.kv_read_tokens(q, s) for q, s in step)  # c_i read + q_i written = s_i
         fp8_flops = linear_flops if self.fp8_linears else 0
         return StepCost(float(flops), float(weights + kv), float(fp8_flops))
+
+
+def _window_fields(layer_windows: tuple[int | None, ...]) -> dict[str, Any]:
+    """ModelCost's window fields: one window for the layers that have one (ferry's models have at
+    most one size)."""
+    windows = {w for w in layer_windows if w is not None}
+    if len(windows) > 1:
+        raise ValueError(f"layers with different windows {sorted(windows)}: the cost model takes one")
+    if not windows:
+        return {}
+    return {"sliding_window": windows.pop(), "windowed_layers": sum(w is not None for w in layer_windows)}
 
 
 def _attention_params(config: ModelConfig) -> int:

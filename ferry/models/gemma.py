@@ -169,6 +169,7 @@ def layer_rope_parameters(hf: dict[str, Any]) -> tuple[dict[str, Any], dict[str,
 
 class Gemma2ForCausalLM(nn.Module):
     attention = Gemma2Attention
+    layer_windows = staticmethod(layer_windows)  # (ModelConfig.layer_windows)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
