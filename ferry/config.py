@@ -168,13 +168,14 @@ class ModelConfig:
         or one a layer (`layer_windows(hf_config)`, Gemma's local and global layers)."""
         from ferry.models.registry import get_model_class, supported_architectures
 
+        if self.architecture not in supported_architectures():  # (a test's stand-in model)
+            return ()
+        model_class = get_model_class(self.architecture)
         windows: list[int | None] = [None] * self.num_layers
-        if self.architecture in supported_architectures():  # (else a test's stand-in model)
-            model_class = get_model_class(self.architecture)
-            if hasattr(model_class, "layer_windows"):
-                windows = list(model_class.layer_windows(self.hf_config))
-            elif getattr(model_class, "implements_sliding_window", False):
-                windows = [model_class.sliding_window(self.hf_config)] * self.num_layers
+        if hasattr(model_class, "layer_windows"):
+            windows = list(model_class.layer_windows(self.hf_config))
+        elif getattr(model_class, "implements_sliding_window", False):
+            windows = [model_class.sliding_window(self.hf_config)] * self.num_layers
         return tuple(w if w is not None and w < self.max_model_len else None for w in windows)
 
     @property
