@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import signal
 import socket
 import statistics
 import subprocess
@@ -113,9 +114,13 @@ def run(args: argparse.Namespace) -> dict:
     command = [sys.executable, "-m", "ferry", "serve", "--port", str(port), "--api-key", API_KEY, "--no-access-log",
                *args.serve_args]
     log = tempfile.NamedTemporaryFile("w+", prefix="dashboard-cost-server-", suffix=".log", delete=False)
+    # Stopped from outside (a time limit's SIGTERM), still show where the server was and stop it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("dashboard_cost: stopped (SIGTERM)"))
+    started = time.perf_counter()
     server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
         _wait_ready(url, server, timeout_s=900)
+        print(f"server ready in {time.perf_counter() - started:.0f} s", flush=True)
         result = bench(args, url)
     except BaseException:
         log.flush()
