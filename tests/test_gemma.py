@@ -5,7 +5,6 @@ preemption and prefix caching; and the soft cap in every attention backend."""
 
 from __future__ import annotations
 
-import math
 import os
 
 import pytest
@@ -14,8 +13,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported (test_cuda_graph.py)
 
-from ferry import LLM, SamplingParams  # noqa: E402
-from tiny_models import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, randomize_weights  # noqa: E402
+from ferry import LLM  # noqa: E402
+from tiny_models import (  # noqa: E402
+    ENGINE_SETUPS, BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, assert_engine_equals, hf_greedy, randomize_weights, shared_prefix_prompts,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,51 +60,22 @@ def checkpoint(request, tmp_path_factory):
 
 
 def prompts() -> list[list[int]]:
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(3, VOCAB_SIZE, (20,), generator=g).tolist()
-    shared = [prefix + torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (3, 17, 9)]
-    return [*shared, torch.randint(3, VOCAB_SIZE, (29,), generator=g).tolist(), prefix[:8], [5, 6, 7]]
+    return shared_prefix_prompts(part=8, extra=([5, 6, 7],))
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
                                                               attn_implementation="eager").eval()
-    expected = []
-    for prompt in prompts():
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        tokens = out.sequences[0, len(prompt):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-        expected.append((tokens, logprobs))
+    expected = hf_greedy(model, prompts(), MAX_TOKENS)
     return expected
-
-
-ENGINE_SETUPS = {
-    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=7),
-    "preemption": dict(block_size=4, num_kv_blocks=math.ceil(2 * 40 / 4), max_num_batched_tokens=64, decode_reserve=0),
-    "one_token_blocks": dict(block_size=1),
-}
 
 
 @pytest.mark.parametrize("setup", list(ENGINE_SETUPS))
 def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint, reference, setup):
-    llm = LLM(model=checkpoint, dtype="float32", enable_prefix_caching=True, **ENGINE_SETUPS[setup])
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
-    requests = [{"prompt_token_ids": p} for p in prompts()]
-    for _ in range(2):
-        outputs = llm.generate(requests, params, use_tqdm=False)
-        for out, (tokens, logprobs) in zip(outputs, reference):
-            completion = out.outputs[0]
-            assert completion.token_ids == tokens
-            got = [completion.logprobs[i][t].logprob for i, t in enumerate(tokens)]
-            assert got == pytest.approx(logprobs, abs=1e-4)
-    assert sum(out.num_cached_tokens for out in outputs) > 0
-    if setup == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
-    pool = llm.engine.scheduler.kv_cache.pool
-    assert pool.num_free_blocks == pool.num_blocks
+    """Two rounds of the same prompts: the second finds their prefixes cached."""
+    assert_engine_equals(checkpoint, prompts(), reference, MAX_TOKENS, preempts=setup == "preemption",
+                         **ENGINE_SETUPS[setup])
 
 
 def test_local_and_global_layers(checkpoint):
@@ -181,3 +153,4 @@ def test_the_roofline_counts_the_local_layers_window(checkpoint):
         cached = seq_len - query_len
         read = query_len + (local * min(cached, WINDOW - 1) + (4 - local) * cached) / 4
         assert cost.kv_read_tokens(query_len, seq_len) == pytest.approx(read)
+

@@ -21,7 +21,9 @@ from ferry.config import ModelConfig
 from ferry.layers.moe import FusedMoE, torch_experts
 from ferry.loader.loader import load_model
 from ferry.models.registry import get_model_class
-from tiny_models import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, randomize_weights
+from tiny_models import (
+    BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, assert_engine_equals, hf_greedy, randomize_weights, shared_prefix_prompts,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -78,28 +80,14 @@ def checkpoint(request, tmp_path_factory):
 
 
 def prompts_for(seed: int) -> list[list[int]]:
-    """Prompts that share a 20-token prefix (the prefix cache serves it), one that shares nothing,
-    and a block-aligned part of the prefix."""
-    g = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(3, VOCAB_SIZE, (20,), generator=g).tolist()
-    prompts = [prefix + torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (3, 17, 9, 1)]
-    return [*prompts, torch.randint(3, VOCAB_SIZE, (29,), generator=g).tolist(), prefix[:16]]
+    return shared_prefix_prompts(seed, tails=(3, 17, 9, 1))
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     """HF's greedy tokens and logprobs for the prompts."""
-    case, path = checkpoint
-    model = hf_model(path, torch.float32)
-    expected = []
-    for prompt in prompts_for(0):
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        tokens = out.sequences[0, len(prompt):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-        expected.append((tokens, logprobs))
-    return path, expected
+    _, path = checkpoint
+    return path, hf_greedy(hf_model(path, torch.float32), prompts_for(0), MAX_TOKENS)
 
 
 ENGINE_SETUPS = {
@@ -114,21 +102,8 @@ ENGINE_SETUPS = {
 def test_greedy_tokens_and_logprobs_equal_transformers(reference, setup):
     """Two rounds of the same prompts: the second finds their prefixes cached."""
     path, expected = reference
-    llm = LLM(model=path, dtype="float32", enable_prefix_caching=True, **ENGINE_SETUPS[setup])
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
-    prompts = [{"prompt_token_ids": p} for p in prompts_for(0)]
-    for _ in range(2):
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        for out, (tokens, logprobs) in zip(outputs, expected):
-            completion = out.outputs[0]
-            assert completion.token_ids == tokens
-            got = [completion.logprobs[i][t].logprob for i, t in enumerate(tokens)]
-            assert got == pytest.approx(logprobs, abs=1e-4)
-    assert sum(out.num_cached_tokens for out in outputs) > 0
-    if setup == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
-    pool = llm.engine.scheduler.kv_cache.pool
-    assert pool.num_free_blocks == pool.num_blocks
+    assert_engine_equals(path, prompts_for(0), expected, MAX_TOKENS, preempts=setup == "preemption",
+                         **ENGINE_SETUPS[setup])
 
 
 # ---- each expert block, bit for bit ----

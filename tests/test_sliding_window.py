@@ -11,7 +11,9 @@ import torch
 
 from ferry import LLM, SamplingParams
 from ferry.config import ModelConfig
-from tiny_models import BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, randomize_weights
+from tiny_models import (
+    ENGINE_SETUPS, BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, assert_engine_equals, hf_greedy, randomize_weights, shared_prefix_prompts,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -40,23 +42,13 @@ def checkpoint(tmp_path_factory):
 def prompts() -> list[list[int]]:
     """Prompts longer and shorter than the window; three share a 20-token prefix (the prefix cache
     serves it), one is a block-aligned part of it."""
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(3, VOCAB_SIZE, (20,), generator=g).tolist()
-    shared = [prefix + torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in (3, 17, 9)]
-    return [*shared, torch.randint(3, VOCAB_SIZE, (29,), generator=g).tolist(), prefix[:8], [5, 6, 7]]
+    return shared_prefix_prompts(part=8, extra=([5, 6, 7],))
 
 
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
-    expected = []
-    for prompt in prompts():
-        with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        tokens = out.sequences[0, len(prompt):].tolist()
-        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
-        expected.append((tokens, logprobs))
+    expected = hf_greedy(model, prompts(), MAX_TOKENS)
     # The window changes transformers' own tokens here (else this would test nothing about it).
     unwindowed = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
                                                                    sliding_window=None).eval()
@@ -78,32 +70,11 @@ def test_the_window_reaches_the_layers(checkpoint):
     assert ModelConfig.from_pretrained(checkpoint, max_model_len=WINDOW).sliding_window is None
 
 
-ENGINE_SETUPS = {
-    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=7),
-    # About two requests' worth of KV slots for six: they must preempt each other to finish.
-    "preemption": dict(block_size=4, num_kv_blocks=math.ceil(2 * 40 / 4), max_num_batched_tokens=64, decode_reserve=0),
-    "one_token_blocks": dict(block_size=1),
-}
-
-
 @pytest.mark.parametrize("setup", list(ENGINE_SETUPS))
 def test_greedy_tokens_and_logprobs_equal_transformers(checkpoint, reference, setup):
     """Two rounds of the same prompts: the second finds their prefixes cached."""
-    llm = LLM(model=checkpoint, dtype="float32", enable_prefix_caching=True, **ENGINE_SETUPS[setup])
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0)
-    requests = [{"prompt_token_ids": p} for p in prompts()]
-    for _ in range(2):
-        outputs = llm.generate(requests, params, use_tqdm=False)
-        for out, (tokens, logprobs) in zip(outputs, reference):
-            completion = out.outputs[0]
-            assert completion.token_ids == tokens
-            got = [completion.logprobs[i][t].logprob for i, t in enumerate(tokens)]
-            assert got == pytest.approx(logprobs, abs=1e-4)
-    assert sum(out.num_cached_tokens for out in outputs) > 0
-    if setup == "preemption":
-        assert llm.engine.scheduler.num_preemptions > 0
-    pool = llm.engine.scheduler.kv_cache.pool
-    assert pool.num_free_blocks == pool.num_blocks
+    assert_engine_equals(checkpoint, prompts(), reference, MAX_TOKENS, preempts=setup == "preemption",
+                         **ENGINE_SETUPS[setup])
 
 
 @pytest.mark.parametrize("block_size", [4, 5])

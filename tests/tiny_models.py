@@ -4,12 +4,14 @@
 milliseconds, with every weight random (biases and norm scales too, so a tensor loaded into the
 wrong place changes the output). `flat_batch` lays out one step of several requests the way the
 model runner does: tokens concatenated, KV slots taken from each request's block table.
+`hf_greedy` and `assert_engine_equals` compare the engine with transformers on such a checkpoint.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from ferry.attention.backend import AttentionMetadata
@@ -153,3 +155,61 @@ def chunked_schedule(prompt_lens: list[int], total_lens: list[int], chunk: int) 
                 computed[i] += new
         steps.append(step)
     return steps
+
+
+# ---- the engine against transformers ----
+
+
+# Engine settings that force chunked prefill, preemption, and one-token blocks on the prompts of
+# shared_prefix_prompts (up to 39 tokens a request with 10 out).
+ENGINE_SETUPS = {
+    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=7),
+    # About two requests' worth of KV slots for six: they must preempt each other to finish.
+    "preemption": dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=64, decode_reserve=0),
+    "one_token_blocks": dict(block_size=1),
+}
+
+
+def shared_prefix_prompts(seed: int = 0, tails=(3, 17, 9), alone: int = 29, part: int = 16, extra=()) -> list[list[int]]:
+    """Prompts that share a 20-token prefix (the prefix cache serves it), one of `alone` tokens that
+    shares nothing, the first `part` tokens of the prefix, and any `extra` prompts."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(3, VOCAB_SIZE, (20,), generator=g).tolist()
+    shared = [prefix + torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in tails]
+    return [*shared, torch.randint(3, VOCAB_SIZE, (alone,), generator=g).tolist(), prefix[:part], *extra]
+
+
+def hf_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """transformers' greedy tokens for each prompt, and each token's logprob."""
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        tokens = out.sequences[0, len(prompt):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+        expected.append((tokens, logprobs))
+    return expected
+
+
+def assert_engine_equals(path, prompts, expected, max_tokens: int, preempts: bool = False, **engine) -> None:
+    """Greedy tokens equal to `expected` (hf_greedy's) and logprobs within 1e-4, through the engine
+    with prefix caching, twice: the second round finds the prefixes cached. Every block is free after."""
+    from ferry import LLM, SamplingParams
+
+    llm = LLM(model=path, dtype="float32", enable_prefix_caching=True, **engine)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    for _ in range(2):
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        for out, (tokens, logprobs) in zip(outputs, expected):
+            completion = out.outputs[0]
+            assert completion.token_ids == tokens
+            got = [completion.logprobs[i][t].logprob for i, t in enumerate(tokens)]
+            assert got == pytest.approx(logprobs, abs=1e-4)
+    assert sum(out.num_cached_tokens for out in outputs) > 0
+    if preempts:
+        assert llm.engine.scheduler.num_preemptions > 0
+    pool = llm.engine.scheduler.kv_cache.pool
+    assert pool.num_free_blocks == pool.num_blocks
+

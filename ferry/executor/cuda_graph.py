@@ -38,7 +38,7 @@ freezes every launch's grid and every tensor's address, and that shapes this fil
 Graphs are captured at startup, after the KV cache is allocated, largest size first, into one
 shared memory pool: a smaller graph's intermediates fit in memory the larger ones already use.
 A step does no host-device synchronization: two copies from pinned memory and one replay. The
-pinned buffers come in two sets, used in turn: with asynchronous scheduling the next step is
+pinned buffers come in two sets, used in turn (`HostBuffersInTurn`): with asynchronous scheduling the next step is
 prepared while this one's copies may still wait in the device's queue, and the set it rewrites is
 the one of the step before, whose copies are done (an event recorded after them says so; a draft
 model prepares its forwards one after another without waiting for any).
@@ -61,6 +61,34 @@ from ferry.executor.inputs import ModelInputs, fill_block_table
 from ferry.transfer import to_device
 
 logger = logging.getLogger(__name__)
+
+
+class HostBuffersInTurn:
+    """Two sets of pinned host buffers that steps fill in turn before copying them to the device:
+    with asynchronous scheduling the next step is prepared while this one's copies may still wait in
+    the device's queue, so a step rewrites the set of the step before, whose copies are done (an
+    event recorded after them says so)."""
+
+    def __init__(self, make, device: torch.device) -> None:
+        self._sets = [make(), make()]
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._cuda = device.type == "cuda"
+        self._taken = 0
+
+    def take(self):
+        """The next set, once its last copies have run (long ago, unless the host runs far ahead)."""
+        which = self._taken % 2
+        self._taken += 1
+        if self._copied[which] is not None:
+            self._copied[which].synchronize()
+        return self._sets[which]
+
+    def copies_queued(self) -> None:
+        """The copies from the set last taken are queued: mark when they will have run."""
+        if self._cuda:
+            which = (self._taken - 1) % 2
+            self._copied[which] = torch.cuda.Event()
+            self._copied[which].record()
 
 
 class _DecodeBuffers:
@@ -127,9 +155,8 @@ class DecodeGraphRunner:
         self.capturable = all(fixed.values())
         self.backends = {b: fixed[b] or backend for b in self.batch_sizes}
         pin = self.device.type == "cuda"
-        self._hosts = [_DecodeBuffers(max_b, max_q, max_blocks, torch.device("cpu"), pin_memory=pin) for _ in range(2)]
-        self._copied: list[torch.cuda.Event | None] = [None, None]  # after each set's last copy to the device
-        self._num_prepared = 0
+        self._hosts = HostBuffersInTurn(
+            lambda: _DecodeBuffers(max_b, max_q, max_blocks, torch.device("cpu"), pin_memory=pin), self.device)
         self._static = _DecodeBuffers(max_b, max_q, max_blocks, self.device)
         # q tokens a request: request i's rows start at i*q.
         self._query_start_locs = {
@@ -169,11 +196,7 @@ class DecodeGraphRunner:
         real = None
         if real_lens is not None:  # request i's rows i*q .. i*q + real_lens[i] - 1 are real
             real = (np.arange(q)[None, :] < np.asarray(real_lens)[:, None]).reshape(-1)  # (n * q,)
-        which = self._num_prepared % 2
-        h = self._hosts[which]
-        self._num_prepared += 1
-        if self._copied[which] is not None:
-            self._copied[which].synchronize()  # (done long ago, unless the host runs far ahead)
+        h = self._hosts.take()
         ids, pos, slots = h.int64.numpy()  # views of the pinned buffers, rows (max_b * max_q,)
         seq_lens, tables = h.seq_lens.numpy(), h.block_tables.numpy()
         starts = np.asarray(positions, np.int64)
@@ -201,9 +224,7 @@ class DecodeGraphRunner:
             slots[:n * q][real] = tables[owner, at // bs].astype(np.int64) * bs + at % bs
         slots[n * q:b * q] = -1
         self._static.copy_rows_(h, b, q)
-        if self.device.type == "cuda":
-            self._copied[which] = torch.cuda.Event()
-            self._copied[which].record()
+        self._hosts.copies_queued()
         inputs = self._inputs(b, n, q, seq_lens[:b].tolist())
         if real is not None:  # the real rows' hidden states, in order
             inputs.logits_indices = to_device(np.flatnonzero(real), torch.int64, self.device)

@@ -26,7 +26,7 @@ step's real tokens keep the rows the eager path gives them, so everything that i
 logits' rows, the in-flight tokens the device fills in) is the same on both paths.
 
 The inputs live in static buffers that each step overwrites, copied from one of two pinned host
-buffers used in turn (as in cuda_graph.py). The LM head and sampling run after the graph, on the
+buffers used in turn (cuda_graph.HostBuffersInTurn). The LM head and sampling run after the graph, on the
 rows they need. Without captured graphs (on a CPU) `forward` runs the model eagerly on the same
 padded buffers, so the padding is tested where no graph can be captured.
 """
@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata, ForwardContext
+from ferry.executor.cuda_graph import HostBuffersInTurn
 from ferry.executor.inputs import fill_block_table
 
 logger = logging.getLogger(__name__)
@@ -97,9 +98,8 @@ class PrefillGraphRunner:
         self.max_reqs = max_num_seqs + 1  # the step's requests and the one that owns the padding
         max_tokens, max_blocks = self.token_counts[-1], -(-max_model_len // self.block_size)
         pin = self.device.type == "cuda"
-        self._hosts = [_StepBuffers(max_tokens, self.max_reqs, max_blocks, torch.device("cpu"), pin) for _ in range(2)]
-        self._copied: list[torch.cuda.Event | None] = [None, None]  # after each set's last copy to the device
-        self._num_prepared = 0
+        self._hosts = HostBuffersInTurn(
+            lambda: _StepBuffers(max_tokens, self.max_reqs, max_blocks, torch.device("cpu"), pin), self.device)
         self._static = _StepBuffers(max_tokens, self.max_reqs, max_blocks, self.device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by token count
         self._outputs: dict[int, torch.Tensor] = {}  # a graph's hidden states, (tokens, hidden_size)
@@ -126,11 +126,7 @@ class PrefillGraphRunner:
         lengths = np.fromiter(map(len, block_tables), np.int64, n)
         if padded is None or n + 1 > self.max_reqs or lengths.max() > self._static.max_blocks:
             return None
-        which = self._num_prepared % 2
-        h = self._hosts[which]
-        self._num_prepared += 1
-        if self._copied[which] is not None:
-            self._copied[which].synchronize()  # (done long ago, unless the host runs far ahead)
+        h = self._hosts.take()
         ids, pos, slots = h.int64.numpy()
         qsl, seq_lens, tables = h.query_start_loc.numpy(), h.seq_lens.numpy(), h.block_tables.numpy()
         np.cumsum(query_lens, out=qsl[1:n + 1])
@@ -149,9 +145,7 @@ class PrefillGraphRunner:
         slots[:num_tokens] = tables[req_of_token, at // bs].astype(np.int64) * bs + at % bs
         slots[num_tokens:padded] = -1
         self._static.copy_used_(h, padded, n + 1)
-        if self.device.type == "cuda":
-            self._copied[which] = torch.cuda.Event()
-            self._copied[which].record()
+        self._hosts.copies_queued()
         s = self._static
         metadata = self._metadata(padded, qsl.tolist(), seq_lens.tolist())
         return s.input_ids[:padded], s.positions[:padded], metadata

@@ -28,11 +28,9 @@ from torch import nn
 
 from ferry.attention.backend import ForwardContext
 from ferry.config import ModelConfig
-from ferry.layers.attention import Attention
 from ferry.layers.linear import Linear, MergedLinear
 from ferry.layers.rotary import RotaryEmbedding, apply_rotary_qk, rope_parameters
-
-Rope = tuple[torch.Tensor, torch.Tensor]
+from ferry.models.llama import LlamaAttention, Rope
 
 
 class GemmaRMSNorm(nn.Module):
@@ -60,34 +58,30 @@ def layer_windows(hf: dict[str, Any]) -> list[int | None]:
     return [hf.get("sliding_window") if t == "sliding_attention" else None for t in types]
 
 
-class Gemma2Attention(nn.Module):
-    qk_norm = False  # Gemma 3: RMSNorm over each head of q and k, before RoPE
+class Gemma2Attention(LlamaAttention):
+    """Llama's attention with Gemma's scale, soft cap and (on local layers) window. Its input is
+    normed by the decoder layer (Gemma's norm, not fused into qkv_proj)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int, window: int | None) -> None:
-        super().__init__()
         hf = config.hf_config
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = hf.get("attention_bias", False)
-        self.qkv_proj = MergedLinear(hf["hidden_size"], {"q_proj": q_size, "k_proj": kv_size, "v_proj": kv_size}, bias=bias)
-        self.o_proj = Linear(q_size, hf["hidden_size"], bias=bias)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, layer_idx, window)
+        super().__init__(config, layer_idx, qkv_bias=bias, o_bias=bias)
+        self.qkv_proj.input_op = None
+        self.attn.sliding_window = window
         self.attn.scale = hf.get("query_pre_attn_scalar", self.head_dim) ** -0.5
         self.attn.softcap = hf.get("attn_logit_softcapping")
-        if self.qk_norm:
-            self.q_norm = GemmaRMSNorm(self.head_dim, hf["rms_norm_eps"])
-            self.k_norm = GemmaRMSNorm(self.head_dim, hf["rms_norm_eps"])
 
-    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        n = x.shape[0]
-        q = q.reshape(n, self.num_heads, self.head_dim)
-        k = k.reshape(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_qk(q, k, rope)
-        return self.o_proj(self.attn(q, k, v, ctx))
+
+class Gemma3Attention(Gemma2Attention):
+    """Gemma 2's attention plus Gemma's RMSNorm over each head of q and k, before RoPE."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, window: int | None) -> None:
+        super().__init__(config, layer_idx, window)
+        self.q_norm = GemmaRMSNorm(self.head_dim, config.hf_config["rms_norm_eps"])
+        self.k_norm = GemmaRMSNorm(self.head_dim, config.hf_config["rms_norm_eps"])
+
+    def rotate(self, q: torch.Tensor, k: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        return apply_rotary_qk(self.q_norm(q), self.k_norm(k), rope)
 
 
 class GemmaMLP(nn.Module):
@@ -106,10 +100,6 @@ class GemmaMLP(nn.Module):
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
-class Gemma3Attention(Gemma2Attention):
-    qk_norm = True
-
-
 class Gemma2DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, window: int | None, attention: type = Gemma2Attention) -> None:
         super().__init__()
@@ -124,7 +114,8 @@ class Gemma2DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, ctx))
+        attention = self.self_attn
+        x = x + self.post_attention_layernorm(attention(attention.qkv_proj(self.input_layernorm(x)), rope, ctx))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
