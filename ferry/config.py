@@ -52,7 +52,9 @@ def option(
 _POSITIVE_FIELDS = ("max_position_embeddings", "vocab_size", "hidden_size", "num_hidden_layers",
                     "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                     "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-                    "shared_expert_intermediate_size", "decoder_sparse_step")
+                    "shared_expert_intermediate_size", "decoder_sparse_step", "query_pre_attn_scalar")
+# And those that must be positive numbers when present (a soft cap of 0 divides by zero).
+_POSITIVE_NUMBERS = ("attn_logit_softcapping", "final_logit_softcapping")
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,9 @@ class ModelConfig:
             windows = list(model_class.layer_windows(self.hf_config))
         elif getattr(model_class, "implements_sliding_window", False):
             windows = [model_class.sliding_window(self.hf_config)] * self.num_layers
+        for w in windows:  # (Qwen2-MoE's configs carry a sliding_window of 0 where none applies: checked here)
+            if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+                raise ValueError(f"config.json: sliding_window must be a positive integer, got {w!r}")
         return tuple(w if w is not None and w < self.max_model_len else None for w in windows)
 
     @property
@@ -217,6 +222,11 @@ class ModelConfig:
             value = hf_config.get(name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{config_file}: {name} must be a positive integer, got {value!r}")
+        for name in _POSITIVE_NUMBERS:
+            value = hf_config.get(name)
+            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool) or not value > 0
+                                      or value == float("inf")):
+                raise ValueError(f"{config_file}: {name} must be a positive number (or null), got {value!r}")
         read_moe_config(hf_config)  # (an impossible routing fails here, before any weights)
         if tokenizer is not None and not (Path(tokenizer) / "tokenizer.json").is_file():
             raise FileNotFoundError(f"tokenizer: no tokenizer.json in {tokenizer}")

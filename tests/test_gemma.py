@@ -154,3 +154,20 @@ def test_the_roofline_counts_the_local_layers_window(checkpoint):
         read = query_len + (local * min(cached, WINDOW - 1) + (4 - local) * cached) / 4
         assert cost.kv_read_tokens(query_len, seq_len) == pytest.approx(read)
 
+
+@pytest.mark.parametrize("key,value", [("sliding_window", 0), ("sliding_window", -4), ("sliding_window", "x"),
+                                       ("attn_logit_softcapping", 0), ("final_logit_softcapping", -1.0),
+                                       ("final_logit_softcapping", float("nan")), ("query_pre_attn_scalar", 0)])
+def test_a_window_or_cap_that_cannot_be_is_a_clear_error(checkpoint, tmp_path, key, value):
+    """(Rather than NaN scores, or every key masked, at the first request.)"""
+    import json
+    import shutil
+
+    from ferry.config import ModelConfig
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint, bad)
+    config = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ValueError, match=f"config.json: {key} must be a positive"):
+        ModelConfig.from_pretrained(bad).layer_windows  # (a window is checked where it applies)
