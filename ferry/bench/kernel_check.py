@@ -173,7 +173,7 @@ def time_prefill(model: ModelConfig, prompt: int, block_size: int, device, confi
     out = torch.empty_like(q)
     run = lambda: prefill_attention(  # noqa: E731
         q, cache, md.block_tables, md.query_start_loc, md.seq_lens, prompt, model.head_dim**-0.5, out,
-        config or PrefillConfig(),
+        config,
     )
     ms = do_bench(run)
     return ms, causal_flops(model, prompt) / (ms * 1e-3) / 1e12
@@ -330,7 +330,7 @@ def compile_report() -> list[str]:
         return {name: "i32" for name in names}
 
     lines = []
-    decode_cfg, prefill_cfg = decode.DecodeConfig(), prefill.PrefillConfig()
+    decode_cfg, prefill_cfg = decode.DecodeConfig(), prefill.default_config(128)
     decode_args = {"q_ptr": "*bf16", "cache_ptr": "*bf16", "block_tables_ptr": "*i32", "seq_lens_ptr": "*i32",
                    "out_ptr": "*bf16", "lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
                    "scale_log2": "fp32", "num_splits": "i32",
@@ -357,6 +357,17 @@ def compile_report() -> list[str]:
         if group == 4:  # over an FP8 cache (its V widened by PTX in paged_tiles.load_kv_tile)
             fp8_consts = {**consts, "FP8_KV": True, "WIDEN_Q": True}
             lines.append(f"{f'prefill gqa {group} fp8':26s}" + build(prefill._prefill_kernel, {**args, "cache_ptr": "*fp8e4nv"}, fp8_consts, prefill_cfg.num_warps, prefill_cfg.num_stages))
+    # Gemma 2's attention: head_dim 256, a sliding window and soft-capped scores.
+    window_args = {"window": "i32", "softcap_log2": "fp32"}
+    consts = {**decode_consts(1, 2, 16), "HEAD_DIM": 256, "BLOCK_D": 256, "WINDOW": True, "SOFTCAP": True}
+    lines.append(f"{'decode window+softcap 256':26s}" + build(decode._decode_split_kernel, {**decode_args, **window_args},
+                                                             consts, decode_cfg.num_warps, decode_cfg.num_stages))
+    gemma_cfg = prefill.default_config(256)
+    consts = dict(GROUP=2, BLOCK_M=gemma_cfg.block_m, BLOCK_Q=gemma_cfg.block_m // 2, HEAD_DIM=256, BLOCK_D=256,
+                  PAGE_SIZE=16, BLOCK_N=gemma_cfg.block_n, DOT_PRECISION="tf32", FP8_KV=False, WIDEN_Q=False,
+                  WINDOW=True, SOFTCAP=True)
+    lines.append(f"{'prefill window+softcap 256':26s}" + build(prefill._prefill_kernel, {**args, **window_args}, consts,
+                                                              gemma_cfg.num_warps, gemma_cfg.num_stages))
     fp8_args, fp8_cfg = {**decode_args, "cache_ptr": "*fp8e4nv"}, decode.FP8_DECODE_CONFIG
     for query_len, group in ((1, 4), (VERIFY_TOKENS, 8)):  # decode, and the largest verify tile (64 rows)
         consts = {**decode_consts(query_len, group, 16), "BLOCK_N": fp8_cfg.block_n, "FP8_KV": True, "WIDEN_Q": True}
@@ -373,11 +384,13 @@ def compile_report() -> list[str]:
     consts = dict(QUERY_LEN=1, HEAD_DIM=128, BLOCK_D=128, BLOCK_S=64, BLOCK_N=decode_cfg.block_n, PDL=True)
     lines.append(f"{'merge 64 splits':26s}" + build(decode._decode_merge_kernel, args, consts, 4, 1))
     args = {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*bf16", "slot_mapping_ptr": "*i64", "num_tokens": "i32",
-            "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", **strides("stride_k_tok", "stride_v_tok", "stride_cache_kv")}
+            "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+            **strides("stride_k_tok", "stride_v_tok", "stride_cache_kv", "stride_cache_block", "stride_cache_tok",
+                      "stride_cache_head")}
     for block_t, num_warps in ((1, 2), (16, 8)):
-        consts = dict(ROW=1024, HEAD_DIM=128, BLOCK_T=block_t, BLOCK_ROW=1024, FP8=False, PDL=True)
+        consts = dict(ROW=1024, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_T=block_t, BLOCK_ROW=1024, FP8=False, PDL=True)
         lines.append(f"{f'store {block_t} tokens/program':26s}" + build(store_kv._store_kv_kernel, args, consts, num_warps, 1))
-    consts = dict(ROW=1024, HEAD_DIM=128, BLOCK_T=16, BLOCK_ROW=1024, FP8=True, PDL=True)
+    consts = dict(ROW=1024, HEAD_DIM=128, PAGE_SIZE=16, BLOCK_T=16, BLOCK_ROW=1024, FP8=True, PDL=True)
     lines.append(f"{'store 16 tokens fp8':26s}"
                  + build(store_kv._store_kv_kernel, {**args, "cache_ptr": "*fp8e4nv"}, consts, 8, 1))
     from ferry.kernels import fp8_quant
@@ -394,6 +407,11 @@ def compile_report() -> list[str]:
             "scale_ptr": "*fp32", **strides("stride_x", "stride_residual", "stride_out"), "n": "i32", "eps": "fp32"}
     consts = dict(HAS_RESIDUAL=True, BLOCK=4096, OUT_FP8=True, PDL=True)
     lines.append(f"{'add+norm to fp8 4096':26s}" + build(fused._rms_norm_kernel, args, consts, 16, 1))
+    args = {"q_ptr": "*bf16", "k_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "q_weight_ptr": "*bf16",
+            "k_weight_ptr": "*bf16", **strides("stride_q_tok", "stride_q_head", "stride_k_tok", "stride_k_head",
+                                               "stride_rope_tok"), "eps": "fp32"}
+    consts = dict(NUM_Q_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HAS_NORM=True, BLOCK_H=16, BLOCK_HALF=64, PDL=True)
+    lines.append(f"{'q/k norm+rope 16+8 heads':26s}" + build(fused._rotary_qk_kernel, args, consts, 4, 1))
     args = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", **strides("stride_x", "stride_q"), "d": "i32"}
     lines.append(f"{'silu*mul to fp8 14336':26s}"
                  + build(fused._silu_and_mul_fp8_kernel, args, dict(BLOCK=2048, PDL=True), 8, 1))
