@@ -82,8 +82,9 @@ def _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim", [16, 128])
 @pytest.mark.parametrize("with_norm", [False, True], ids=["rope", "qk_norm+rope"])
-def test_rotary_qk_matches_torch(with_norm, head_dim, dtype):
-    num_tokens, num_heads, num_kv_heads = 5, 4, 2
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 3)])  # 6, 3: heads past a power of two masked
+def test_rotary_qk_matches_torch(num_heads, num_kv_heads, with_norm, head_dim, dtype):
+    num_tokens = 5
     q, k, v = _qkv_views(num_tokens, num_heads, num_kv_heads, head_dim, dtype)
     v_before = v.clone()
     positions = torch.tensor([0, 1, 7, 300, 4095], device=DEVICE)

@@ -96,24 +96,28 @@ def _launch_rms_norm(x, weight, eps, residual, out, scale) -> None:
 
 
 @triton.jit
-def _norm_rotate_head(
-    ptr, weight_ptr, cos, sin, half, eps,
-    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr,
+def _norm_rotate_heads(
+    ptr, stride_head, num_heads, weight_ptr, cos, sin, half, eps,
+    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Normalize (optionally) and rotate the head at ptr in place; cos, sin: (BLOCK_HALF,) fp32."""
-    mask = half < HEAD_DIM // 2
-    x1 = tl.load(ptr + half, mask=mask, other=0.0)
-    x2 = tl.load(ptr + HEAD_DIM // 2 + half, mask=mask, other=0.0)
+    """Normalize (optionally) and rotate, in place, the num_heads heads of one token at ptr, a
+    (BLOCK_H, half) tile; cos, sin: (BLOCK_HALF,) fp32."""
+    heads = tl.arange(0, BLOCK_H)
+    mask = (heads[:, None] < num_heads) & (half[None, :] < HEAD_DIM // 2)
+    first = ptr + heads[:, None] * stride_head + half[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0)
+    x2 = tl.load(first + HEAD_DIM // 2, mask=mask, other=0.0)
     dtype = x1.dtype
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     if HAS_NORM:
-        inv_rms = tl.rsqrt((tl.sum(a * a, axis=0) + tl.sum(b * b, axis=0)) / HEAD_DIM + eps)
-        w1 = tl.load(weight_ptr + half, mask=mask, other=0.0).to(tl.float32)
-        w2 = tl.load(weight_ptr + HEAD_DIM // 2 + half, mask=mask, other=0.0).to(tl.float32)
+        inv_rms = tl.rsqrt((tl.sum(a * a, axis=1) + tl.sum(b * b, axis=1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(weight_ptr + half, mask=half < HEAD_DIM // 2, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(weight_ptr + HEAD_DIM // 2 + half, mask=half < HEAD_DIM // 2, other=0.0).to(tl.float32)[None, :]
         a = ((a * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
         b = ((b * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
-    tl.store(ptr + half, (a * cos - b * sin).to(dtype), mask=mask)
-    tl.store(ptr + HEAD_DIM // 2 + half, (b * cos + a * sin).to(dtype), mask=mask)
+    c, s = cos[None, :], sin[None, :]
+    tl.store(first, (a * c - b * s).to(dtype), mask=mask)
+    tl.store(first + HEAD_DIM // 2, (b * c + a * s).to(dtype), mask=mask)
 
 
 @triton.jit
@@ -121,14 +125,15 @@ def _rotary_qk_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_rope_tok,
     eps,
-    NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_HALF: tl.constexpr,
-    PDL: tl.constexpr,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (token, head): heads [0, NUM_Q_HEADS) are q's, the rest k's."""
+    """Program (token, 0) rotates the token's q heads, (token, 1) its k heads: a program per head
+    would be tens of thousands of one-warp programs for a prompt, which the GPU schedules slower
+    than they run."""
     let_next_kernel_start(PDL)
     wait_for_previous_kernel(PDL)
     tok = tl.program_id(0)
-    head = tl.program_id(1)
     half = tl.arange(0, BLOCK_HALF)
     mask = half < HEAD_DIM // 2
     # Both halves of a head rotate by the same angles: read the first half of the (cos, sin) rows,
@@ -136,12 +141,12 @@ def _rotary_qk_kernel(
     dtype = q_ptr.dtype.element_ty
     cos = tl.load(cos_ptr + tok * stride_rope_tok + half, mask=mask, other=0.0).to(dtype).to(tl.float32)
     sin = tl.load(sin_ptr + tok * stride_rope_tok + half, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    if head < NUM_Q_HEADS:
-        _norm_rotate_head(q_ptr + tok * stride_q_tok + head * stride_q_head, q_weight_ptr, cos, sin, half, eps,
-                          HEAD_DIM, HAS_NORM, BLOCK_HALF)
+    if tl.program_id(1) == 0:
+        _norm_rotate_heads(q_ptr + tok * stride_q_tok, stride_q_head, NUM_Q_HEADS, q_weight_ptr, cos, sin, half,
+                           eps, HEAD_DIM, HAS_NORM, BLOCK_H)
     else:
-        _norm_rotate_head(k_ptr + tok * stride_k_tok + (head - NUM_Q_HEADS) * stride_k_head, k_weight_ptr,
-                          cos, sin, half, eps, HEAD_DIM, HAS_NORM, BLOCK_HALF)
+        _norm_rotate_heads(k_ptr + tok * stride_k_tok, stride_k_head, NUM_KV_HEADS, k_weight_ptr, cos, sin, half,
+                           eps, HEAD_DIM, HAS_NORM, BLOCK_H)
 
 
 def rotary_qk_(
@@ -161,12 +166,14 @@ def rotary_qk_(
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos.stride() == sin.stride() and cos.stride(-1) == 1
     assert head_dim % 2 == 0
     has_norm = q_weight is not None
-    _rotary_qk_kernel[(num_tokens, num_heads + num_kv_heads)](
+    block_h, block_half = triton.next_power_of_2(num_heads), triton.next_power_of_2(head_dim // 2)
+    _rotary_qk_kernel[(num_tokens, 2)](
         q, k, cos, sin, q_weight if has_norm else q, k_weight if has_norm else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
         eps,
-        NUM_Q_HEADS=num_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2), num_warps=1, **pdl_launch(q.device),
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
+        BLOCK_H=block_h, BLOCK_HALF=block_half, num_warps=max(1, min(8, block_h * block_half // 256)),
+        **pdl_launch(q.device),
     )
 
 
