@@ -43,9 +43,10 @@ def tiny_model(tmp_path_factory):
     return make_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3"))
 
 
-def runner_with(path, max_tokens: int, enforce_eager=False):
+def runner_with(path, max_tokens: int, enforce_eager=False, max_num_seqs=8):
     config = EngineConfig.create(path, dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=128,
-                                 max_num_seqs=8, enforce_eager=enforce_eager, max_prefill_graph_tokens=max_tokens)
+                                 max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
+                                 max_prefill_graph_tokens=max_tokens)
     return build_model_runner(config)
 
 
@@ -92,6 +93,29 @@ def test_graph_sizes_follow_the_option_and_the_token_budget():
     assert sizes(8) == (8,)
     with pytest.raises(ValueError, match="max_prefill_graph_tokens must be >= 0"):
         sizes(-1)
+
+
+def test_request_counts_grow_fourfold_up_to_max_num_seqs_and_the_padding():
+    from ferry.executor.prefill_graphs import request_counts
+
+    assert request_counts(257) == (2, 8, 32, 128, 257)
+    assert request_counts(9) == (2, 9)  # not 8 beside 9
+    assert request_counts(2) == (2,)
+
+
+def test_a_step_takes_the_fewest_requests_that_hold_it(tiny_model):
+    """One prompt runs in a graph of two requests (itself and the padding), not of max_num_seqs + 1:
+    every empty request's tiles would still be launched."""
+    graphs = runner_with(tiny_model, 64).prefill_graphs  # max_num_seqs 8: request counts 2 and 9
+    _, _, md = graphs.prepare([1] * 20, np.array([20]), np.array([0]), [[0, 1]])
+    assert md.seq_lens.tolist() == [20, 12] and md.query_start_loc.tolist() == [0, 20, 32]
+    assert md.block_tables.shape[0] == 2
+    _, _, md = graphs.prepare([1] * 3, np.array([1, 2]), np.array([5, 0]), [[0], [1]])
+    assert md.seq_lens.tolist() == [6, 2, 13] + [0] * 6 and md.query_start_loc.tolist() == [0, 1, 3] + [16] * 7
+    # A graph of 16 tokens is needed for at most 16 requests and the padding.
+    many = runner_with(tiny_model, 64, max_num_seqs=63).prefill_graphs
+    assert many.request_counts == (2, 8, 32, 64)
+    assert many._captured_request_counts(16) == (2, 8, 32) and many._captured_request_counts(64) == (2, 8, 32, 64)
 
 
 def test_cli_option_reaches_the_runner(tiny_model):
@@ -259,8 +283,9 @@ def test_replay_equals_eager_on_gpu(tiny_model):
         llm = LLM(model=tiny_model, dtype="float32", device="cuda", block_size=BLOCK_SIZE, num_kv_blocks=128,
                   max_num_batched_tokens=32, max_prefill_graph_tokens=max_tokens)
         assert (llm.engine.executor.prefill_graphs is not None) == bool(max_tokens)
-        if max_tokens:
-            assert llm.engine.executor.prefill_graphs.num_captured == 2  # 16 and 32: no more than the budget
+        if max_tokens:  # 16 and 32 tokens (no more than the budget), each with the request counts it can need
+            assert set(llm.engine.executor.prefill_graphs._graphs) == {
+                (16, 2), (16, 8), (16, 32), (32, 2), (32, 8), (32, 32), (32, 128)}
         prompts = [{"prompt_token_ids": p} for p in PROMPTS]
         results[max_tokens] = [o.outputs[0].token_ids for o in llm.generate(
             prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)]

@@ -1,4 +1,4 @@
-"""Steps with prefill chunks replayed from CUDA graphs, by token count.
+"""Steps with prefill chunks replayed from CUDA graphs, by token count and request count.
 
 A step that brings a prompt (alone, or beside other requests' decodes) is launched eagerly, kernel
 by kernel from Python, and for a short prompt the host is the slow side: a 512-token prompt of a
@@ -10,17 +10,20 @@ and a step's token count is its shape, so steps are padded to the smallest captu
 
 What makes any mix of requests fit one graph is the varlen attention kernel
 (attention/kernels/prefill_attention.py), whose grid depends only on the token count and the
-number of requests. The request count is fixed too, at `max_reqs` (max_num_seqs + 1): the step's n
-requests first, then one request that owns the padding tokens, then requests of no tokens:
+number of requests. So a graph has a request count too: the step's n requests first, then one
+request that owns the padding tokens, then requests of no tokens, up to the smallest of
+`request_counts` (2, 8, 32, ... and max_reqs = max_num_seqs + 1) that holds n + 1:
 
     tokens   [ request 0 | request 1 | ... | request n-1 | padding (request n) ]   T tokens, padded
-    qsl      [ 0, q_0, q_0 + q_1, ..., N, T, T, ..., T ]                          max_reqs + 1 entries
+    qsl      [ 0, q_0, q_0 + q_1, ..., N, T, T, ..., T ]                          R + 1 entries
     seq_lens [ s_0 ... s_n-1 | T - N | 0 ... 0 ]
     slots    [ each real token's slot ......... | -1 ... -1 ]
 
 The padding request sees its own T - N keys from block 0 (its table row is zeros: some request's
 keys, or the zeros the cache starts with, finite either way), stores nothing (slot -1), and its
-rows' outputs are dropped before the logits; the empty requests' tiles exit at once. Rows mix only
+rows' outputs are dropped before the logits; the empty requests' tiles exit at once, but each
+still costs its launch and a search for its request (docs/benchmarks.md measures what a graph of
+257 requests costs one prompt), hence graphs by request count as well as by token count. Rows mix only
 in attention, where each sees its own request's keys, so padding cannot change a real row. The
 step's real tokens keep the rows the eager path gives them, so everything that indexes rows (the
 logits' rows, the in-flight tokens the device fills in) is the same on both paths.
@@ -70,9 +73,18 @@ class _StepBuffers:
         self.int32[:used].copy_(src.int32[:used], non_blocking=True)
 
 
+def request_counts(max_reqs: int) -> tuple[int, ...]:
+    """The request counts graphs are captured for: 2 (one request and the padding), then four times
+    as many each while that is at most half of max_reqs, then max_reqs."""
+    counts = [2]
+    while counts[-1] * 8 <= max_reqs:
+        counts.append(counts[-1] * 4)
+    return tuple(sorted({*counts, max_reqs}))
+
+
 class PrefillGraphRunner:
     """Runs steps of up to the largest of `token_counts` tokens, any mix of prefill chunks and
-    decodes, padded to a captured token count.
+    decodes, padded to a captured token count and request count.
 
     `prepare` pads a step into the static buffers and returns its inputs as views of them (None when
     it fits no graph); `forward` replays the graph of that token count (or, without one, runs the
@@ -96,13 +108,14 @@ class PrefillGraphRunner:
         self.device = kv_caches[0].device
         self.max_model_len = max_model_len
         self.max_reqs = max_num_seqs + 1  # the step's requests and the one that owns the padding
+        self.request_counts = request_counts(self.max_reqs)
         max_tokens, max_blocks = self.token_counts[-1], -(-max_model_len // self.block_size)
         pin = self.device.type == "cuda"
         self._hosts = HostBuffersInTurn(
             lambda: _StepBuffers(max_tokens, self.max_reqs, max_blocks, torch.device("cpu"), pin), self.device)
         self._static = _StepBuffers(max_tokens, self.max_reqs, max_blocks, self.device)
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}  # by token count
-        self._outputs: dict[int, torch.Tensor] = {}  # a graph's hidden states, (tokens, hidden_size)
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (token count, request count)
+        self._outputs: dict[tuple[int, int], torch.Tensor] = {}  # a graph's hidden states, (tokens, hidden_size)
 
     @property
     def num_captured(self) -> int:
@@ -111,6 +124,14 @@ class PrefillGraphRunner:
     def padded_tokens(self, num_tokens: int) -> int | None:
         """The smallest token count with a graph that holds num_tokens; None when none does."""
         return next((t for t in self.token_counts if t >= num_tokens), None)
+
+    def padded_requests(self, num_reqs: int) -> int | None:
+        """The smallest request count that holds num_reqs requests (the padding's included)."""
+        return next((r for r in self.request_counts if r >= num_reqs), None)
+
+    def _captured_request_counts(self, num_tokens: int) -> tuple[int, ...]:
+        """The request counts a step of num_tokens tokens can need: each real request brings a token."""
+        return tuple(r for r in self.request_counts if r <= self.padded_requests(min(num_tokens + 1, self.max_reqs)))
 
     # ---- the step ----
 
@@ -122,9 +143,9 @@ class PrefillGraphRunner:
         starts[i] on, its KV blocks in block_tables[i]. None when it fits no graph: more tokens than
         the largest count, more requests than max_num_seqs, or a table wider than max_model_len needs."""
         n, num_tokens = len(query_lens), int(query_lens.sum())
-        padded = self.padded_tokens(num_tokens)
+        padded, reqs = self.padded_tokens(num_tokens), self.padded_requests(n + 1)
         lengths = np.fromiter(map(len, block_tables), np.int64, n)
-        if padded is None or n + 1 > self.max_reqs or lengths.max() > self._static.max_blocks:
+        if padded is None or reqs is None or lengths.max() > self._static.max_blocks:
             return None
         h = self._hosts.take()
         ids, pos, slots = h.int64.numpy()
@@ -147,28 +168,30 @@ class PrefillGraphRunner:
         self._static.copy_used_(h, padded, n + 1)
         self._hosts.copies_queued()
         s = self._static
-        metadata = self._metadata(padded, qsl.tolist(), seq_lens.tolist())
+        metadata = self._metadata(padded, reqs, qsl[:reqs + 1].tolist(), seq_lens[:reqs].tolist())
         return s.input_ids[:padded], s.positions[:padded], metadata
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
         """(padded tokens, hidden_size) hidden states of a step that `prepare` padded. A graph's replay
         reads the static buffers and writes the same output tensor each time: use it before the next
         step."""
-        graph = self._graphs.get(input_ids.shape[0])
+        key = input_ids.shape[0], metadata.seq_lens.shape[0]
+        graph = self._graphs.get(key)
         if graph is None:
             return self.model(input_ids, positions, ForwardContext(metadata, self.kv_caches, self.backend))
         graph.replay()
-        return self._outputs[input_ids.shape[0]]
+        return self._outputs[key]
 
-    def _metadata(self, padded: int, query_start_loc_cpu: list[int], seq_lens_cpu: list[int]) -> AttentionMetadata:
-        """The static buffers as a step of `padded` tokens over max_reqs requests. Its host values
-        are the same for every step of that count, as a graph needs (max_query_len = the token count
+    def _metadata(self, padded: int, reqs: int, query_start_loc_cpu: list[int], seq_lens_cpu: list[int]) -> AttentionMetadata:
+        """The static buffers as a step of `padded` tokens over `reqs` requests. Its host values
+        are the same for every step of those counts, as a graph needs (max_query_len = the token count
         makes the attention backend take its varlen kernel, whose grid needs only the token and
         request counts); the per-request lists are the step's own, for backends that loop in Python."""
         s = self._static
         return AttentionMetadata(
-            slot_mapping=s.slot_mapping[:padded], query_start_loc=s.query_start_loc, seq_lens=s.seq_lens,
-            block_tables=s.block_tables, max_query_len=padded, max_seq_len=self.max_model_len,
+            slot_mapping=s.slot_mapping[:padded], query_start_loc=s.query_start_loc[:reqs + 1],
+            seq_lens=s.seq_lens[:reqs], block_tables=s.block_tables[:reqs], max_query_len=padded,
+            max_seq_len=self.max_model_len,
             query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
         )
 
@@ -176,9 +199,9 @@ class PrefillGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Record one graph per token count, largest first, each after an eager warm-up run that
-        compiles its kernels. Every token is padding meanwhile (one request owning them all, slot -1),
-        so neither run writes the KV cache."""
+        """Record one graph per token count and request count that a step of those tokens can need,
+        largest first, each after an eager warm-up run that compiles its kernels. Every token is
+        padding meanwhile (one request owning them all, slot -1), so no run writes the KV cache."""
         if self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
         start = time.perf_counter()
@@ -187,23 +210,25 @@ class PrefillGraphRunner:
         s.slot_mapping.fill_(-1)
         s.block_tables.zero_()
         pool = torch.cuda.graph_pool_handle()
+        s.query_start_loc.fill_(0)
+        s.seq_lens.zero_()
         for padded in reversed(self.token_counts):
             s.positions[:padded].copy_(torch.arange(padded, device=self.device))
-            qsl = [0] + [padded] * self.max_reqs
-            s.query_start_loc.copy_(torch.tensor(qsl, dtype=torch.int32))
-            s.seq_lens.zero_()
+            s.query_start_loc[1:].fill_(padded)
             s.seq_lens[0] = padded
-            inputs = (s.input_ids[:padded], s.positions[:padded], self._metadata(padded, qsl, [padded] + [0] * (self.max_reqs - 1)))
-            stream = torch.cuda.Stream(self.device)  # warm up off the captured stream (cuda_graph.py)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self.forward(*inputs)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[padded] = self.model(inputs[0], inputs[1],
-                                                   ForwardContext(inputs[2], self.kv_caches, self.backend))
-            self._graphs[padded] = graph
+            for reqs in reversed(self._captured_request_counts(padded)):
+                qsl, lens = [0] + [padded] * reqs, [padded] + [0] * (reqs - 1)
+                inputs = (s.input_ids[:padded], s.positions[:padded], self._metadata(padded, reqs, qsl, lens))
+                stream = torch.cuda.Stream(self.device)  # warm up off the captured stream (cuda_graph.py)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self.forward(*inputs)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[padded, reqs] = self.model(
+                        inputs[0], inputs[1], ForwardContext(inputs[2], self.kv_caches, self.backend))
+                self._graphs[padded, reqs] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("captured %d prefill graphs (token counts %s) in %.1f s", len(self._graphs), self.token_counts,
-                    time.perf_counter() - start)
+        logger.info("captured %d prefill graphs (token counts %s, request counts %s) in %.1f s", len(self._graphs),
+                    self.token_counts, self.request_counts, time.perf_counter() - start)
