@@ -9,6 +9,7 @@ is predicted as
     KV read = t + min(t, layers x kv_ramp_s)    t = KV bytes / (bandwidth x kv_bandwidth)
     step   = max(device, host)    host = layers x eager_layer_s + tokens x eager_token_s for a step
                                   launched eagerly, else 0
+    TTFT from a prefill graph = device + replay_host_s + kernels x graph_launch_kernel_s
 
 Every figure below was fitted to ferry's own measurements on an H200 (docs/benchmarks.md and
 docs/doctor.md, Qwen3-0.6B and Llama-3.1-8B shapes, dummy bf16 weights), against the ceilings that
@@ -35,6 +36,11 @@ class Calibration:
     eager_layer_s: float  # host time to launch one layer's kernels eagerly (no graph to replay)
     eager_token_s: float  # and the host's bookkeeping of each token of such a step (inputs, block hashes)
     source: str
+    # A prefill replayed from a graph: the host's work around the replay, which nothing overlaps for a
+    # first token (scheduling, the inputs, the LM head and sampling, the token handed back), and its
+    # launch, by the graph's kernels. (A decode step's are overlapped by the step before it.)
+    replay_host_s: float = 0.0
+    graph_launch_kernel_s: float = 0.0
 
 
 # Against measured ceilings (`--gpu measured` on a GPU), fitted on an H200 that measured 796 TFLOP/s
@@ -58,9 +64,13 @@ class Calibration:
 #   steps (the run's time less its decode steps at the latency benchmark's speed) on prefill chunks of
 #   16,384 tokens that take the GPU 40 ms each: 256 requests of 100-1,024 tokens / 512, 1.05 s over
 #   9 such steps; 1024 of 512 / 256, 3.2 s over 32.
+# - replay_host_s 0.55 ms and graph_launch_kernel_s 1.5 us: Qwen3-0.6B's step of one 512-token
+#   prompt replayed from a prefill graph under torch.profiler (docs/benchmarks.md): 2.91 ms, of which
+#   the replay alone 1.92 and cudaGraphLaunch 0.44 ms for the graph's 288 kernels.
 MEASURED_GPU = Calibration(
     compute=0.65, fp8_compute=0.45, weight_bandwidth=1.0, kv_bandwidth=1.0, kv_ramp_s=20e-6, kernel_s=2.3e-6,
     eager_layer_s=0.62e-3, eager_token_s=5e-6, source="ferry on an H200 against its measured ceilings",
+    replay_host_s=0.55e-3, graph_launch_kernel_s=1.5e-6,
 )
 
 # The ceilings measure_hardware found on those H200s: 794-800 TFLOP/s of bf16 matmul (1,451 in FP8),
@@ -100,7 +110,12 @@ FP8_KV_RATE = 0.7
 # qkv_proj, q/k norm + RoPE, the K/V store, attention and its merge, o_proj, gate_up_proj, down_proj
 # with SiLU-and-mul, some of them fused where startup tuning found it faster) and 6 outside the
 # layers (embedding, final norm, LM head, sampling): Qwen3-0.6B's 28 layers make the 230 a profile counted.
+# Above gemv.MAX_ROWS rows the linears are cuBLAS GEMMs, and the norms and SiLU-and-mul are kernels of
+# their own: 10 a layer (a 512-token prefill of Qwen3-0.6B: 2 RMSNorms, 4 GEMMs, RoPE, the K/V store,
+# attention, SiLU-and-mul).
 KERNELS_PER_LAYER = 8
+KERNELS_PER_LAYER_GEMM = 10
+GEMV_MAX_ROWS = 8  # gemv.MAX_ROWS (a test holds them equal; the doctor runs without Triton)
 KERNELS_OUTSIDE_LAYERS = 6
 
 # What a GPU's memory holds beside the weights and the KV cache, inside gpu_memory_utilization: the

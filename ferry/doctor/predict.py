@@ -120,6 +120,7 @@ class StepTime(NamedTuple):
     seconds: float  # max(max(compute, weights + KV) + fixed + comm, host), step by step
     tokens: int  # computed: a request's new tokens, summed
     steps: int = 1
+    replay_host_s: float = 0.0  # a first token's prefill graph: the host's work around it, and its launch
 
 
 def step_time(d: Deployment, step: Step, sampled_rows: int, host_s: float = 0.0) -> StepTime:
@@ -131,12 +132,19 @@ def step_time(d: Deployment, step: Step, sampled_rows: int, host_s: float = 0.0)
     compute_s = total.compute_seconds(machine.rates) / tp
     attention_s = sum(cost.attention_flops(q, s) for q, s in step) / tp / machine.rates.peak_flops
     weights_s, kv_s = weight_bytes / machine.rates.bandwidth_bytes_per_s, kv_read_seconds(d, kv_bytes)
-    kernels = calibration.KERNELS_PER_LAYER * cost.num_layers + calibration.KERNELS_OUTSIDE_LAYERS
+    kernels = kernels_per_step(d, sum(q for q, _ in step))
     fixed_s = kernels * machine.calibration.kernel_s
     comm_s = all_reduce_seconds(d, sum(q for q, _ in step))
     device = max(compute_s - attention_s, weights_s) + max(attention_s, kv_s) + fixed_s + comm_s
     return StepTime(total.flops / tp, compute_s, attention_s, weight_bytes, weights_s, kv_bytes, kv_s, kernels, fixed_s,
                     comm_s, host_s, max(device, host_s), sum(q for q, _ in step))
+
+
+def kernels_per_step(d: Deployment, rows: int) -> int:
+    """Kernels of a step of `rows` tokens: fewer where the small-batch path fuses them into its GEMVs."""
+    small = rows <= calibration.GEMV_MAX_ROWS
+    per_layer = calibration.KERNELS_PER_LAYER if small else calibration.KERNELS_PER_LAYER_GEMM
+    return per_layer * d.cost.num_layers + calibration.KERNELS_OUTSIDE_LAYERS
 
 
 def kv_rate(d: Deployment) -> float:
@@ -201,18 +209,31 @@ def prefill_chunks(prompt_len: int, num_prompts: int, budget: int) -> list[tuple
     return chunks
 
 
-def prefill(d: Deployment, prompt_len: int, num_prompts: int = 1) -> StepTime:
-    """The prompts' steps summed, each launched eagerly unless a prefill graph holds its tokens."""
+def prefill(d: Deployment, prompt_len: int, num_prompts: int = 1, first_token: bool = False) -> StepTime:
+    """The prompts' steps summed, each launched eagerly unless a prefill graph holds its tokens.
+    first_token: the steps wait for nothing before them, so a replayed step's host work (its inputs,
+    its graph's launch, the sampling after it) adds to its time rather than overlapping."""
     chunks = prefill_chunks(prompt_len, num_prompts, d.config.scheduler.max_num_batched_tokens)
-    times = [step_time(d, step, sampled, _prefill_host_seconds(d, sum(q for q, _ in step))) for step, sampled in chunks]
+    times = []
+    for step, sampled in chunks:
+        tokens = sum(q for q, _ in step)
+        if _replayed(d, tokens):
+            t = step_time(d, step, sampled)
+            if first_token:
+                c = d.machine.calibration
+                host = c.replay_host_s + t.kernels * c.graph_launch_kernel_s
+                t = t._replace(replay_host_s=host, seconds=t.seconds + host)
+        else:
+            t = step_time(d, step, sampled, eager_host_seconds(d, tokens))
+        times.append(t)
     return StepTime(*(sum(values) for values in zip(*times)))
 
 
-def _prefill_host_seconds(d: Deployment, tokens: int) -> float:
+def _replayed(d: Deployment, tokens: int) -> bool:
     """A step with prefill chunks replays a graph where one holds its tokens (max_prefill_graph_tokens,
     executor/prefill_graphs.py), and is launched eagerly otherwise."""
     sizes = () if d.config.enforce_eager else d.config.prefill_graph_sizes
-    return 0.0 if sizes and tokens <= sizes[-1] else eager_host_seconds(d, tokens)
+    return bool(sizes) and tokens <= sizes[-1]
 
 
 def describe(t: StepTime, d: Deployment) -> str:
@@ -235,6 +256,9 @@ def describe(t: StepTime, d: Deployment) -> str:
         if c.eager_token_s:
             host += f" + {t.tokens:,} tokens x {c.eager_token_s * 1e6:.3g} us"
         device = f"max(host {host} = {ms(t.host_s)}, {device})"
+    if t.replay_host_s:
+        device += (f" + replayed from a graph: host {ms(c.replay_host_s)} + {t.kernels:,} kernels launched x "
+                   f"{c.graph_launch_kernel_s * 1e6:.3g} us = {ms(t.replay_host_s)}")
     return device if t.steps == 1 else f"{t.steps} steps' terms summed (each step its own max): {device}"
 
 
@@ -313,7 +337,7 @@ def concurrency(d: Deployment, context: int) -> Figure:
 
 
 def ttft(d: Deployment, prompt_len: int) -> Figure:
-    t = prefill(d, prompt_len)
+    t = prefill(d, prompt_len, first_token=True)
     return Figure("ttft_s", f"TTFT, one prompt of {prompt_len:,} tokens", t.seconds, "s", describe(t, d))
 
 
