@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
@@ -44,6 +44,8 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
         return inv_freq / params["factor"]
     if params["rope_type"] == "llama3":
         return _llama3_scaled(inv_freq, params)
+    if params["rope_type"] == "yarn":
+        return _yarn_scaled(inv_freq, head_dim, params)
     return inv_freq
 
 
@@ -62,6 +64,47 @@ def _llama3_scaled(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tens
     return torch.where(in_band, blended, scaled)
 
 
+def _yarn_scaled(inv_freq: torch.Tensor, head_dim: int, params: dict[str, Any]) -> torch.Tensor:
+    """YaRN's context extension: a pair that turns fewer than beta_slow times over the original
+    context is interpolated (slowed down by `factor`), one that turns more than beta_fast times is
+    kept, and the pairs between are blended along a linear ramp over their index."""
+    base, factor = params["rope_theta"], params["factor"]
+    old_context = params["original_max_position_embeddings"]
+    fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def pair_of(rotations: float) -> float:  # the (fractional) pair index that turns `rotations` times
+        return head_dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_of(fast), pair_of(slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # 1: the pair keeps its frequency; 0: interpolated
+    return inv_freq / factor * (1 - kept) + inv_freq * kept
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `scale` times the original: 0.1 m ln(s) + 1."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(params: dict[str, Any]) -> float:
+    """What cos and sin are multiplied by (1 but for YaRN): the config's attention_factor, else the
+    ratio of mscale's temperature to mscale_all_dim's where both are given (DeepSeek's, which
+    scales the softmax by mscale_all_dim's instead), else the temperature of `factor`."""
+    if params["rope_type"] != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor, mscale, all_dim = params["factor"], params.get("mscale"), params.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return yarn_mscale(factor)
+
+
 class RotaryEmbedding(nn.Module):
     """positions -> (cos, sin), computed once per forward and shared by every layer."""
 
@@ -69,11 +112,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         # Not persistent: derived from the config, never read from or written to checkpoints.
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, params), persistent=False)
+        self.attention_factor = yarn_attention_factor(params)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]  # (num_tokens, head_dim / 2)
         angles = torch.cat((freqs, freqs), dim=-1)  # (num_tokens, head_dim): both halves rotate alike
-        return angles.cos(), angles.sin()  # float32; cast to the activations' dtype when applied
+        if self.attention_factor == 1.0:
+            return angles.cos(), angles.sin()  # float32; cast to the activations' dtype when applied
+        return angles.cos() * self.attention_factor, angles.sin() * self.attention_factor
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
