@@ -85,6 +85,8 @@ def read_moe_config(hf: dict[str, Any]) -> MoeConfig | None:
     transformers builds them. The number of experts is `num_local_experts` or `num_experts`, which
     transformers takes for one another (and writes Qwen3-MoE's under the first)."""
     architecture = hf["architectures"][0]
+    if architecture == "DeepseekV2ForCausalLM":
+        return _deepseek_moe_config(hf)
     if architecture not in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
         return None
     layers = range(hf["num_hidden_layers"])
@@ -98,6 +100,21 @@ def read_moe_config(hf: dict[str, Any]) -> MoeConfig | None:
     return MoeConfig(
         num_experts, hf["num_experts_per_tok"], hf["moe_intermediate_size"], shared,
         bool(hf.get("norm_topk_prob", False)), tuple(i for i in layers if i not in dense and (i + 1) % step == 0),
+    )
+
+
+def _deepseek_moe_config(hf: dict[str, Any]) -> MoeConfig | None:
+    """DeepSeek-V2's experts: n_routed_experts of moe_intermediate_size from layer
+    first_k_dense_replace on, in every moe_layer_freq-th layer, beside n_shared_experts experts'
+    worth of one shared MLP."""
+    if not hf.get("n_routed_experts"):
+        return None
+    first, step = hf.get("first_k_dense_replace", 0), hf.get("moe_layer_freq", 1)
+    shared = hf["moe_intermediate_size"] * hf["n_shared_experts"] if hf.get("n_shared_experts") else None
+    return MoeConfig(
+        hf["n_routed_experts"], hf["num_experts_per_tok"], hf["moe_intermediate_size"], shared,
+        bool(hf.get("norm_topk_prob", False)),
+        tuple(i for i in range(hf["num_hidden_layers"]) if i >= first and i % step == 0),
     )
 
 
@@ -155,11 +172,22 @@ class ModelConfig:
         return self.hf_config["num_attention_heads"]
 
     @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2): the KV cache holds one latent per token
+        (models/deepseek_v2.py), seen by the attention backends as one KV head of its width."""
+        return bool(self.hf_config.get("kv_lora_rank"))
+
+    @property
     def num_kv_heads(self) -> int:
+        if self.latent_attention:
+            return 1
         return self.hf_config.get("num_key_value_heads") or self.num_heads
 
     @property
     def head_dim(self) -> int:
+        """The width of a cached key (and value) head: for latent attention, the latent's."""
+        if self.latent_attention:
+            return self.hf_config["kv_lora_rank"] + self.hf_config["qk_rope_head_dim"]
         return self.hf_config.get("head_dim") or self.hf_config["hidden_size"] // self.num_heads
 
     @property

@@ -218,6 +218,8 @@ class ModelCost:
             norms += 2 * h  # pre_ and post_feedforward_layernorm
         if config.architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM"):
             norms += 2 * d  # q_norm, k_norm over each head
+        if config.latent_attention:
+            norms += hf["kv_lora_rank"] + (hf.get("q_lora_rank") or 0)  # kv_a_layernorm, q_a_layernorm
         return cls(
             hidden_size=h, vocab_size=config.vocab_size, num_layers=config.num_layers,
             num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=d,
@@ -323,6 +325,8 @@ def _window_fields(layer_windows: tuple[int | None, ...]) -> dict[str, Any]:
 
 def _attention_params(config: ModelConfig) -> int:
     """q, k, v and o of one layer, with their biases."""
+    if config.latent_attention:
+        return _latent_attention_params(config.hf_config)
     hf, d = config.hf_config, config.head_dim
     h, q_size, kv_size = hf["hidden_size"], config.num_heads * d, config.num_kv_heads * d
     bias = bool(hf.get("attention_bias", False))
@@ -337,6 +341,19 @@ def _attention_params(config: ModelConfig) -> int:
     return params
 
 
+def _latent_attention_params(hf: dict) -> int:
+    """Multi-head latent attention's projections (models/deepseek_v2.py): the query (whole, or through
+    a rank of q_lora_rank), the latent and its RoPE key, kv_b_proj's per-head keys and values, o."""
+    h, heads, rank, rope = hf["hidden_size"], hf["num_attention_heads"], hf["kv_lora_rank"], hf["qk_rope_head_dim"]
+    nope, v, q_rank = hf["qk_nope_head_dim"], hf["v_head_dim"], hf.get("q_lora_rank")
+    q_size = heads * (nope + rope)
+    q = h * q_size if not q_rank else h * q_rank + q_rank * q_size
+    params = q + h * (rank + rope) + rank * heads * (nope + v) + heads * v * h
+    if hf.get("attention_bias", False):
+        params += (q_rank or q_size) + rank + rope + h
+    return params
+
+
 def _feed_forward_params(config: ModelConfig) -> int:
     """Every layer's MLP; a sparse layer's is its router (a row of h an expert), every expert (gate,
     up, down) and a shared expert (the same, and its gate: a row of h)."""
@@ -347,7 +364,8 @@ def _feed_forward_params(config: ModelConfig) -> int:
     if moe is None:
         return config.num_layers * dense
     h, shared = hf["hidden_size"], moe.shared_expert_intermediate_size
-    sparse = moe.num_experts * (h + 3 * h * moe.moe_intermediate_size) + (3 * h * shared + h if shared else 0)
+    gated = config.architecture == "Qwen2MoeForCausalLM"  # its shared expert's gate: a row of h
+    sparse = moe.num_experts * (h + 3 * h * moe.moe_intermediate_size) + (3 * h * shared + h * gated if shared else 0)
     return (config.num_layers - len(moe.sparse_layers)) * dense + len(moe.sparse_layers) * sparse
 
 

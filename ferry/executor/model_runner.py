@@ -665,7 +665,7 @@ def build_model_runner(
     logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GB, %s)", num_blocks, config.cache.block_size,
                 num_blocks * config.cache.block_size, num_blocks * bytes_per_block / 1e9,
                 "FP8 e4m3" if config.cache.fp8_kv else config.model.dtype)
-    backend = get_attention_backend(device, config.attention_backend)
+    backend = get_attention_backend(device, config.attention_backend, config.model.head_dim)
     query_lens = (1,) if proposer is None else (1, 1 + proposer.num_speculative_tokens)
     decode_graphs = _decode_graphs(config, model, kv_caches, backend, query_lens)
     prefill_graphs = _prefill_graphs(config, model, kv_caches, backend)

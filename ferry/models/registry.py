@@ -11,6 +11,7 @@ from torch import nn
 
 # architecture name -> (module, class name)
 _MODELS: dict[str, tuple[str, str]] = {
+    "DeepseekV2ForCausalLM": ("ferry.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "Gemma2ForCausalLM": ("ferry.models.gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("ferry.models.gemma", "Gemma3ForCausalLM"),
     "LlamaForCausalLM": ("ferry.models.llama", "LlamaForCausalLM"),

@@ -1,0 +1,146 @@
+"""DeepSeek-V2 (multi-head latent attention and shared experts, ferry/models/deepseek_v2.py) against
+Hugging Face transformers on tiny random checkpoints: greedy tokens and logprobs through the engine
+with chunked prefill, preemption and prefix caching; the latent cache's shape; YaRN's frequencies."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the Triton kernels' test runs them on CPU tensors
+
+from ferry.config import EngineConfig  # noqa: E402
+from tiny_models import (  # noqa: E402
+    BOS_TOKEN_ID, EOS_TOKEN_ID, VOCAB_SIZE, assert_engine_equals, hf_greedy, randomize_weights, shared_prefix_prompts,
+)
+
+transformers = pytest.importorskip("transformers")
+
+MAX_TOKENS = 10
+YARN = {"type": "yarn", "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1}
+# V2-Lite's form (q_proj, greedy routing, one dense layer first), and V2's (a low-rank query,
+# experts routed within the best groups, scaled), each with YaRN. (transformers ignores
+# moe_layer_freq, which DeepSeek's own code honours: every published checkpoint has 1.)
+CASES = {
+    "v2_lite": dict(q_lora_rank=None, topk_method="greedy", n_group=1, topk_group=1, num_hidden_layers=3,
+                    first_k_dense_replace=1, moe_layer_freq=1, routed_scaling_factor=1.0),
+    "v2": dict(q_lora_rank=24, topk_method="group_limited_greedy", n_group=4, topk_group=2, num_hidden_layers=3,
+               first_k_dense_replace=0, moe_layer_freq=1, routed_scaling_factor=2.5),
+}
+
+
+def tiny_config(case: str):
+    return transformers.DeepseekV2Config(
+        vocab_size=VOCAB_SIZE, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=96,
+        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, kv_lora_rank=32,
+        qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24, max_position_embeddings=512, rms_norm_eps=1e-6,
+        rope_scaling=YARN, norm_topk_prob=False, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
+        architectures=["DeepseekV2ForCausalLM"], tie_word_embeddings=False, **CASES[case])
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def checkpoint(request, tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp(request.param)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(request.param))
+    randomize_weights(model, seed=0)
+    model.save_pretrained(path)
+    transformers.GenerationConfig(bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                              experts_implementation="eager").eval()
+    return checkpoint, hf_greedy(model, shared_prefix_prompts(0, tails=(3, 17, 9, 1)), MAX_TOKENS)
+
+
+ENGINE_SETUPS = {
+    "chunked_prefill": dict(block_size=4, max_num_batched_tokens=7),
+    "preemption": dict(block_size=16, num_kv_blocks=math.ceil(80 / 16), max_num_batched_tokens=64, decode_reserve=0),
+}
+
+
+@pytest.mark.parametrize("setup", list(ENGINE_SETUPS))
+def test_greedy_tokens_and_logprobs_equal_transformers(reference, setup):
+    path, expected = reference
+    assert_engine_equals(path, shared_prefix_prompts(0, tails=(3, 17, 9, 1)), expected, MAX_TOKENS,
+                         preempts=setup == "preemption", **ENGINE_SETUPS[setup])
+
+
+def test_the_cache_holds_one_latent_head(checkpoint):
+    config = EngineConfig.create(checkpoint, dtype="float32").model
+    assert (config.num_kv_heads, config.head_dim) == (1, 32 + 16)  # kv_lora_rank + qk_rope_head_dim
+    assert config.moe is not None and config.moe.shared_expert_intermediate_size == 2 * 32
+
+
+def test_yarn_frequencies_and_attention_factor_are_transformers():
+    from ferry.layers.rotary import inverse_frequencies, rope_parameters, yarn_attention_factor
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for mscale_all_dim in (0.707, 0.0):
+        hf = tiny_config("v2_lite")
+        hf.rope_parameters = {**hf.rope_parameters, "mscale_all_dim": mscale_all_dim}
+        expected, factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+        params = rope_parameters(hf.to_dict())
+        assert torch.allclose(inverse_frequencies(16, params), expected, rtol=1e-6)
+        assert yarn_attention_factor(params) == pytest.approx(factor)
+
+
+def test_a_latent_wider_than_triton_tiles_gets_sdpa_on_cuda():
+    from ferry.attention.selector import default_backend_name
+
+    assert default_backend_name(torch.device("cuda"), 576) == "sdpa"
+    assert default_backend_name(torch.device("cpu"), 128) == "sdpa"
+
+
+def test_triton_kernels_run_the_latent_heads_under_the_interpreter():
+    """Four query heads over one KV head of the latent's width (48 in the tiny models), whose values
+    are its keys, through Triton's decode and varlen kernels against the reference."""
+    pytest.importorskip("triton")
+    import test_triton_kernels  # noqa: F401  (patches the interpreter's gaps once a session)
+    from test_triton_kernels import MIXED_STEP
+
+    from ferry.attention.torch_ref import TorchReferenceBackend
+    from ferry.attention.triton_backend import TritonAttentionBackend
+    from tiny_models import flat_batch, shuffled_block_tables
+
+    g = torch.Generator().manual_seed(0)
+    for chunks in ([(7, 1), (30, 1), (2, 1)], MIXED_STEP):
+        tables, num_blocks = shuffled_block_tables([c + n for c, n in chunks], 4)
+        _, md = flat_batch(chunks, tables, 4)
+        n = md.query_start_loc_cpu[-1]
+        q, latent = torch.randn(n, 4, 48, generator=g), torch.randn(n, 1, 48, generator=g)
+        cache = torch.randn(1, num_blocks, 4, 1, 48, generator=g).expand(2, -1, -1, -1, -1).clone()
+        expected = TorchReferenceBackend().forward(q, latent, latent, cache.clone(), md, 0.3)
+        got = TritonAttentionBackend().forward(q, latent, latent, cache.clone(), md, 0.3)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_param_count_matches_transformers(checkpoint):
+    from ferry.bench.roofline import ModelCost
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    cost = ModelCost.from_model_config(EngineConfig.create(checkpoint, dtype="float32").model)
+    assert cost.num_params == sum(p.numel() for p in model.parameters())
+    assert cost.kv_bytes_per_token == 2 * 3 * (32 + 16) * 4  # K and V halves of the latent, 3 layers, float32
+
+
+def test_deepseek_v2_lite_shape_by_hand():
+    """The shipped config against DeepSeek's model card (15.7B parameters, 2.4B activated): 15.71B,
+    and 2.45B active without the embedding's lookup (2.66B with it)."""
+    from ferry.bench.roofline import ModelCost
+
+    path = Path(__file__).parents[1] / "benchmarks" / "deepseek-v2-lite"
+    if not path.exists():
+        pytest.skip("no benchmarks/deepseek-v2-lite")
+    cost = ModelCost.from_model_config(EngineConfig.create(path, load_format="dummy", dtype="bfloat16").model)
+    assert cost.num_params / 1e9 == pytest.approx(15.7, abs=0.05)
+    assert (cost.active_params - 102400 * 2048) / 1e9 == pytest.approx(2.4, abs=0.1)
+    assert cost.kv_bytes_per_token == 2 * 27 * 576 * 2
