@@ -74,10 +74,20 @@ def test_greedy_tokens_and_logprobs_equal_transformers(reference, setup):
                          preempts=setup == "preemption", **ENGINE_SETUPS[setup])
 
 
-def test_the_cache_holds_one_latent_head(checkpoint):
-    config = EngineConfig.create(checkpoint, dtype="float32").model
-    assert (config.num_kv_heads, config.head_dim) == (1, 32 + 16)  # kv_lora_rank + qk_rope_head_dim
-    assert config.moe is not None and config.moe.shared_expert_intermediate_size == 2 * 32
+def test_the_cache_holds_one_latent_a_token(checkpoint):
+    """One KV head of kv_lora_rank + qk_rope_head_dim, stored once: the V half is the K half."""
+    from ferry import LLM, SamplingParams
+    from ferry.attention.kv_cache import kv_cache_bytes_per_block
+
+    config = EngineConfig.create(checkpoint, dtype="float32", block_size=4)
+    assert (config.model.num_kv_heads, config.model.head_dim) == (1, 32 + 16)
+    assert kv_cache_bytes_per_block(config.model, config.cache) == 3 * 4 * 48 * 4
+    assert config.model.moe is not None and config.model.moe.shared_expert_intermediate_size == 2 * 32
+    llm = LLM(model=checkpoint, dtype="float32", block_size=4, num_kv_blocks=16)
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8, 9]}], SamplingParams(max_tokens=3), use_tqdm=False)
+    cache = llm.engine.executor.kv_caches[0]
+    assert cache.shape == (2, 16, 4, 1, 48) and cache.stride(0) == 0 and cache.untyped_storage().nbytes() == 16 * 4 * 48 * 4
+    assert cache[0].abs().sum() > 0  # written
 
 
 def test_yarn_frequencies_and_attention_factor_are_transformers():
@@ -102,7 +112,8 @@ def test_a_latent_wider_than_triton_tiles_gets_sdpa_on_cuda():
 
 def test_triton_kernels_run_the_latent_heads_under_the_interpreter():
     """Four query heads over one KV head of the latent's width (48 in the tiny models), whose values
-    are its keys, through Triton's decode and varlen kernels against the reference."""
+    are its keys, stored once (the V half a stride-0 view of the K half), through Triton's store,
+    decode and varlen kernels against the reference over a cache of two equal halves."""
     pytest.importorskip("triton")
     import test_triton_kernels  # noqa: F401  (patches the interpreter's gaps once a session)
     from test_triton_kernels import MIXED_STEP
@@ -117,10 +128,12 @@ def test_triton_kernels_run_the_latent_heads_under_the_interpreter():
         _, md = flat_batch(chunks, tables, 4)
         n = md.query_start_loc_cpu[-1]
         q, latent = torch.randn(n, 4, 48, generator=g), torch.randn(n, 1, 48, generator=g)
-        cache = torch.randn(1, num_blocks, 4, 1, 48, generator=g).expand(2, -1, -1, -1, -1).clone()
-        expected = TorchReferenceBackend().forward(q, latent, latent, cache.clone(), md, 0.3)
-        got = TritonAttentionBackend().forward(q, latent, latent, cache.clone(), md, 0.3)
+        latent_half = torch.randn(1, num_blocks, 4, 1, 48, generator=g)
+        expected = TorchReferenceBackend().forward(q, latent, latent, latent_half.repeat(2, 1, 1, 1, 1), md, 0.3)
+        cache = latent_half.clone()
+        got = TritonAttentionBackend().forward(q, latent, latent, cache.expand(2, -1, -1, -1, -1), md, 0.3)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        assert not torch.equal(cache, latent_half)  # the step's latents were stored, through the K half
 
 
 def test_param_count_matches_transformers(checkpoint):
@@ -129,7 +142,7 @@ def test_param_count_matches_transformers(checkpoint):
     model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     cost = ModelCost.from_model_config(EngineConfig.create(checkpoint, dtype="float32").model)
     assert cost.num_params == sum(p.numel() for p in model.parameters())
-    assert cost.kv_bytes_per_token == 2 * 3 * (32 + 16) * 4  # K and V halves of the latent, 3 layers, float32
+    assert cost.kv_bytes_per_token == 3 * (32 + 16) * 4  # the latent, 3 layers, float32
 
 
 def test_deepseek_v2_lite_shape_by_hand():
@@ -143,4 +156,4 @@ def test_deepseek_v2_lite_shape_by_hand():
     cost = ModelCost.from_model_config(EngineConfig.create(path, load_format="dummy", dtype="bfloat16").model)
     assert cost.num_params / 1e9 == pytest.approx(15.7, abs=0.05)
     assert (cost.active_params - 102400 * 2048) / 1e9 == pytest.approx(2.4, abs=0.1)
-    assert cost.kv_bytes_per_token == 2 * 27 * 576 * 2
+    assert cost.kv_bytes_per_token == 27 * 576 * 2  # 31 KB, where MHA's keys and values would take 276 KB

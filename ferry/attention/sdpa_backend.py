@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ferry.attention.backend import AttentionBackend, AttentionMetadata
+from ferry.attention.kv_cache import written_halves
 from ferry.attention.torch_ref import TorchReferenceBackend, is_fp8, to_cache, visible_mask
 
 
@@ -96,13 +97,14 @@ def _store(
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
     """Write the stored rows' K and V at their slots, in one copy."""
-    kv = torch.stack((k, v))  # (2, num_tokens, num_kv_heads, head_dim)
+    kv_cache = written_halves(kv_cache)  # (a latent cache's V half is its K half: kv_cache.py)
+    kv = torch.stack((k, v)[:kv_cache.shape[0]])  # (2, num_tokens, num_kv_heads, head_dim)
     if plan.stored is not None:
         kv = kv[:, plan.stored]
     flat = kv_cache.flatten(1, 2)  # (2, num_blocks * block_size, num_kv_heads, head_dim), a view
     if is_fp8(kv_cache.dtype):  # (no index_copy_ for float8 on a CPU)
-        flat[0, plan.slots] = to_cache(kv[0], kv_cache.dtype, kv_scales, 0)
-        flat[1, plan.slots] = to_cache(kv[1], kv_cache.dtype, kv_scales, 1)
+        for half in range(kv_cache.shape[0]):
+            flat[half, plan.slots] = to_cache(kv[half], kv_cache.dtype, kv_scales, half)
     else:
         flat.index_copy_(1, plan.slots, kv if kv.dtype == kv_cache.dtype else kv.to(kv_cache.dtype))
 

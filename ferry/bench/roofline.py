@@ -206,6 +206,7 @@ class ModelCost:
     # Mistral, the local ones in Gemma; ModelConfig.layer_windows); the others attend to every key.
     sliding_window: int | None = None
     windowed_layers: int = 0
+    kv_halves: int = 2  # K and V; 1 where the values are the keys (latent attention: kv_cache.py)
 
     @classmethod
     def from_model_config(cls, config: ModelConfig, kv_itemsize: int | None = None) -> ModelCost:
@@ -229,6 +230,7 @@ class ModelCost:
             weight_itemsize=config.dtype_bytes, kv_itemsize=kv_itemsize or config.dtype_bytes,
             linear_itemsize=1 if fp8 else config.dtype_bytes, fp8_linears=fp8 and fp8.activations != "none",
             **_expert_fields(h, config.moe), **_window_fields(config.layer_windows),
+            kv_halves=1 if config.latent_attention else 2,
         )
 
     @property
@@ -268,7 +270,7 @@ class ModelCost:
     @property
     def kv_bytes_per_token(self) -> int:
         """K and V of one token in every layer."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_itemsize
+        return self.kv_halves * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_itemsize
 
     def attention_flops(self, query_len: int, seq_len: int) -> int:
         full, windowed = self._pairs(query_len, seq_len, None), self._pairs(query_len, seq_len, self.sliding_window)

@@ -285,7 +285,8 @@ def weights_memory(d: Deployment) -> Figure:
 
 def kv_bytes_per_token(d: Deployment) -> Figure:
     cost, tp = d.cost, d.tensor_parallel
-    terms = (f"2 x {cost.num_layers} layers x {cost.num_kv_heads} KV heads x {cost.head_dim} head dim"
+    halves = "2" if cost.kv_halves == 2 else "1 (the latent: its values are its keys)"
+    terms = (f"{halves} x {cost.num_layers} layers x {cost.num_kv_heads} KV heads x {cost.head_dim} head dim"
              f" x {cost.kv_itemsize} B")
     return Figure("kv_bytes_per_token", "KV cache per token" + _per_gpu(tp), cost.kv_bytes_per_token / tp, "B",
                   _over(terms, tp))

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from ferry.attention.backend import AttentionBackend, ForwardContext
+from ferry.attention.kv_cache import written_halves
 from ferry.config import EngineConfig
 from ferry.core.outputs import Logprobs, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from ferry.executor.inputs import ModelInputs, flat_batch
@@ -347,6 +348,7 @@ class ModelRunner:
         dst = to_device([d for _, d in pairs], torch.int64, self.device)
         draft_caches = self.proposer.kv_caches if self.proposer is not None else ()
         for kv_cache in [*self.kv_caches, *draft_caches]:  # (2, num_blocks, block_size, num_kv_heads, head_dim)
+            kv_cache = written_halves(kv_cache)
             kv_cache[:, dst] = kv_cache[:, src]
 
     def prepare_inputs(self, scheduled: list[ScheduledRequest], in_flight: Sequence[int] = ()) -> ModelInputs:

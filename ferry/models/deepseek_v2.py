@@ -18,8 +18,8 @@ That is multi-query attention: num_heads queries of width kv_lora_rank + qk_rope
 KV head of the same width, [c, k_pe], whose values are the keys themselves (of the weighted sum of
 [c, k_pe], the first kv_lora_rank numbers are the sum of c; the rest are dropped). ferry's attention
 backends run it as they run any GQA layer, with one KV head, and the model config's cache shape says
-so (`ModelConfig.num_kv_heads`, `head_dim`). Its K/V cache stores the latent in both halves (the
-backends take a key and a value tensor): twice what MLA needs, which a cache of one half would save.
+so (`ModelConfig.num_kv_heads`, `head_dim`). The latent is stored once: the cache's V half is a
+view of its K half (attention/kv_cache.py, `kv_cache_halves`).
 
 RoPE here rotates adjacent pairs (x[2i], x[2i+1]), not the two halves of the head as Llama's does,
 with YaRN's frequencies and, through the softmax scale, its attention factor squared
