@@ -4,6 +4,7 @@ with chunked prefill, preemption and prefix caching; the latent cache's shape; Y
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from pathlib import Path
@@ -157,3 +158,23 @@ def test_deepseek_v2_lite_shape_by_hand():
     assert cost.num_params / 1e9 == pytest.approx(15.7, abs=0.05)
     assert (cost.active_params - 102400 * 2048) / 1e9 == pytest.approx(2.4, abs=0.1)
     assert cost.kv_bytes_per_token == 27 * 576 * 2  # 31 KB, where MHA's keys and values would take 276 KB
+
+
+def test_graphs_give_way_to_eager_steps_where_the_backend_cannot_be_captured(checkpoint, caplog):
+    """On CUDA a latent this wide gets sdpa, whose steps read host values: no graph is captured for
+    it (a warning says so), where capturing would fail or, for prefill, replay a stale plan."""
+    from types import SimpleNamespace
+
+    from ferry.attention.sdpa_backend import SdpaAttentionBackend
+    from ferry.executor.model_runner import _decode_graphs, _prefill_graphs
+
+    config = EngineConfig.create(checkpoint, dtype="float32", enforce_eager=False, max_prefill_graph_tokens=64)
+    on_cuda = [SimpleNamespace(device=torch.device("cuda"), shape=(2, 8, 4, 1, 48))]
+    ferry_logger = logging.getLogger("ferry")  # (it keeps its records from the root's handlers)
+    ferry_logger.addHandler(caplog.handler)
+    try:
+        assert _decode_graphs(config, None, on_cuda, SdpaAttentionBackend(), (1,)) is None
+        assert _prefill_graphs(config, None, on_cuda, SdpaAttentionBackend()) is None
+    finally:
+        ferry_logger.removeHandler(caplog.handler)
+    assert "decode steps run eagerly" in caplog.text and "max_prefill_graph_tokens is ignored" in caplog.text

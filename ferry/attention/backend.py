@@ -53,6 +53,10 @@ class AttentionBackend(ABC):
     An FP8 cache comes with its layer's kv_scales; a 16-bit one ignores them.
     """
 
+    # Whether a step with prefill chunks can be replayed from a CUDA graph (executor/prefill_graphs.py):
+    # its launches must depend on nothing but the token and request counts, not on host values.
+    prefill_graph_safe = False
+
     @abstractmethod
     def forward(
         self,

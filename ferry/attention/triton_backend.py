@@ -38,6 +38,8 @@ class TritonAttentionBackend(AttentionBackend):
         and cost one early return each). None: choose per step from the longest context."""
         self.decode_num_splits = decode_num_splits
 
+    prefill_graph_safe = True  # the varlen kernel's grid: token and request counts alone
+
     def for_decode_graph(
         self, batch_size: int, num_kv_heads: int, max_model_len: int, device: torch.device
     ) -> TritonAttentionBackend:

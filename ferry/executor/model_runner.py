@@ -694,9 +694,16 @@ def _decode_graphs(
         return None
     from ferry.executor.cuda_graph import DecodeGraphRunner
 
+    cache = kv_caches[0]
+    if cache.device.type == "cuda" and backend.for_decode_graph(1, cache.shape[3], config.model.max_model_len,
+                                                                cache.device) is None:
+        # (sdpa, which wide latent heads get by default: attention/selector.py)
+        logger.warning("the %s attention backend cannot run in a CUDA graph: decode steps run eagerly",
+                       type(backend).__name__)
+        return None
     graphs = DecodeGraphRunner(model, kv_caches, backend, config.decode_graph_sizes, config.model.max_model_len,
                                query_lens)
-    if kv_caches[0].device.type == "cuda":
+    if cache.device.type == "cuda":
         graphs.capture()
     return graphs
 
@@ -707,6 +714,10 @@ def _prefill_graphs(config: EngineConfig, model, kv_caches: list[torch.Tensor], 
     same padded steps eagerly."""
     sizes = config.prefill_graph_sizes
     if config.enforce_eager or not sizes:
+        return None
+    if kv_caches[0].device.type == "cuda" and not backend.prefill_graph_safe:
+        logger.warning("the %s attention backend cannot run a step with prefill chunks in a CUDA graph: "
+                       "max_prefill_graph_tokens is ignored", type(backend).__name__)
         return None
     from ferry.executor.prefill_graphs import PrefillGraphRunner
 
