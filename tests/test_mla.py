@@ -178,3 +178,16 @@ def test_graphs_give_way_to_eager_steps_where_the_backend_cannot_be_captured(che
     finally:
         ferry_logger.removeHandler(caplog.handler)
     assert "decode steps run eagerly" in caplog.text and "max_prefill_graph_tokens is ignored" in caplog.text
+
+
+def test_what_is_not_supported_is_named(tmp_path):
+    import json
+
+    from ferry.loader.loader import load_model
+
+    for change, message in (({"attention_bias": True}, "attention_bias"), ({"topk_method": "noaux_tc"}, "noaux_tc"),
+                            ({"scoring_func": "sigmoid"}, "scoring_func")):
+        config = {**tiny_config("v2_lite").to_dict(), **change}
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=message):
+            load_model(EngineConfig.create(tmp_path, dtype="float32", load_format="dummy").model, "cpu")

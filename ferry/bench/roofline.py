@@ -350,10 +350,7 @@ def _latent_attention_params(hf: dict) -> int:
     nope, v, q_rank = hf["qk_nope_head_dim"], hf["v_head_dim"], hf.get("q_lora_rank")
     q_size = heads * (nope + rope)
     q = h * q_size if not q_rank else h * q_rank + q_rank * q_size
-    params = q + h * (rank + rope) + rank * heads * (nope + v) + heads * v * h
-    if hf.get("attention_bias", False):
-        params += (q_rank or q_size) + rank + rope + h
-    return params
+    return q + h * (rank + rope) + rank * heads * (nope + v) + heads * v * h  # (no biases: deepseek_v2.py)
 
 
 def _feed_forward_params(config: ModelConfig) -> int:

@@ -85,11 +85,11 @@ class MlaAttention(nn.Module):
         self.num_heads = config.num_heads
         self.nope_dim, self.rope_dim = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
         self.v_dim, self.kv_rank = hf["v_head_dim"], hf["kv_lora_rank"]
-        q_rank, bias = hf.get("q_lora_rank"), hf.get("attention_bias", False)
+        q_rank = hf.get("q_lora_rank")
         q_size = self.num_heads * (self.nope_dim + self.rope_dim)
         # Both first projections read the normed hidden state: one matmul, the norm inside it.
         first = {"q_proj": q_size} if q_rank is None else {"q_a_proj": q_rank}
-        self.qkv_proj = MergedLinear(hidden, {**first, "kv_a_proj_with_mqa": self.kv_rank + self.rope_dim}, bias=bias)
+        self.qkv_proj = MergedLinear(hidden, {**first, "kv_a_proj_with_mqa": self.kv_rank + self.rope_dim}, bias=False)
         self.qkv_proj.input_op = "rms_norm"
         if q_rank is not None:
             self.q_a_layernorm = RMSNorm(q_rank, eps=1e-6)
@@ -97,7 +97,7 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_rank, eps=1e-6)
         # Read as W_UK and W_UV per head, never run as a layer: a plain parameter.
         self.kv_b_proj = nn.Linear(self.kv_rank, self.num_heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.v_dim, hidden, bias=False)
         self.attn = Attention(self.num_heads, 1, self.kv_rank + self.rope_dim, layer_idx)
         # YaRN's temperature of mscale_all_dim scales the softmax, squared (as DeepSeek's own code does).
         params = rope_parameters(hf)
@@ -169,6 +169,8 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         if hf.get("hidden_act", "silu") != "silu" or hf.get("scoring_func", "softmax") != "softmax":
             raise ValueError(f"{config.architecture} with hidden_act {hf.get('hidden_act')!r} and scoring_func "
                              f"{hf.get('scoring_func')!r} is not supported; ferry runs 'silu' and 'softmax'")
+        if hf.get("attention_bias", False):  # (q_proj would have none beside kv_a_proj's: no published model)
+            raise ValueError(f"{config.architecture} with attention_bias is not supported")
         if hf.get("topk_method", "greedy") not in ("greedy", "group_limited_greedy"):
             raise ValueError(f"topk_method {hf['topk_method']!r} is not supported; ferry supports 'greedy' and "
                              "'group_limited_greedy'")
