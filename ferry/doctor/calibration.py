@@ -66,7 +66,8 @@ class Calibration:
 #   9 such steps; 1024 of 512 / 256, 3.2 s over 32.
 # - replay_host_s 0.55 ms and graph_launch_kernel_s 1.5 us: Qwen3-0.6B's step of one 512-token
 #   prompt replayed from a prefill graph under torch.profiler (docs/benchmarks.md): 2.91 ms, of which
-#   the replay alone 1.92 and cudaGraphLaunch 0.44 ms for the graph's 288 kernels.
+#   the replay alone 1.92 and cudaGraphLaunch 0.44 ms for the graph's 288 kernels (that split from the
+#   profiled steps, whose tracing may lengthen the launch; the 0.99 ms they sum to, without it).
 MEASURED_GPU = Calibration(
     compute=0.65, fp8_compute=0.45, weight_bandwidth=1.0, kv_bandwidth=1.0, kv_ramp_s=20e-6, kernel_s=2.3e-6,
     eager_layer_s=0.62e-3, eager_token_s=5e-6, source="ferry on an H200 against its measured ceilings",
