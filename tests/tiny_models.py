@@ -16,7 +16,7 @@ import torch
 
 from ferry.attention.backend import AttentionMetadata
 
-ARCHS = ("llama", "llama3_scaled", "qwen2", "qwen3", "mistral")
+ARCHS = ("llama", "llama3_scaled", "qwen2", "qwen2_yarn", "qwen3", "mistral")
 VOCAB_SIZE = 320
 BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2
 
@@ -47,6 +47,9 @@ LLAMA3_ROPE = {
 }
 
 
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+
+
 def tiny_hf_config(arch: str, tie: bool | None = None):
     """The transformers config of a tiny `arch`; `tie` overrides the arch's default tying."""
     import transformers
@@ -54,9 +57,12 @@ def tiny_hf_config(arch: str, tie: bool | None = None):
     if arch in ("llama", "llama3_scaled"):
         rope = LLAMA3_ROPE if arch == "llama3_scaled" else {"rope_type": "default", "rope_theta": 10000.0}
         config = transformers.LlamaConfig(**_COMMON, rope_parameters=rope, tie_word_embeddings=False)
-    elif arch == "qwen2":
-        # Qwen2 always has q/k/v biases; ratio 4 between query and kv heads.
-        config = transformers.Qwen2Config(**{**_COMMON, "num_key_value_heads": 1}, tie_word_embeddings=True)
+    elif arch in ("qwen2", "qwen2_yarn"):
+        # Qwen2 always has q/k/v biases; ratio 4 between query and kv heads. Qwen2.5's long-context
+        # form: YaRN (its frequencies, and cos and sin scaled by 0.1 ln(4) + 1).
+        rope = YARN_ROPE if arch == "qwen2_yarn" else {"rope_type": "default", "rope_theta": 10000.0}
+        config = transformers.Qwen2Config(**{**_COMMON, "num_key_value_heads": 1}, rope_parameters=rope,
+                                          tie_word_embeddings=True)
     elif arch == "qwen3":
         # head_dim 32 while hidden_size / num_heads is 16: q_proj widens, o_proj narrows back.
         config = transformers.Qwen3Config(**_COMMON, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=True)
