@@ -5,6 +5,7 @@ with chunked prefill, preemption and prefix caching; the latent cache's shape; Y
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 import math
 import os
 from pathlib import Path
@@ -163,7 +164,7 @@ def test_deepseek_v2_lite_shape_by_hand():
 def test_graphs_give_way_to_eager_steps_where_the_backend_cannot_be_captured(checkpoint, caplog):
     """On CUDA a latent this wide gets sdpa, whose steps read host values: no graph is captured for
     it (a warning says so), where capturing would fail or, for prefill, replay a stale plan."""
-    from types import SimpleNamespace
+
 
     from ferry.attention.sdpa_backend import SdpaAttentionBackend
     from ferry.executor.model_runner import _decode_graphs, _prefill_graphs
@@ -191,3 +192,43 @@ def test_what_is_not_supported_is_named(tmp_path):
         (tmp_path / "config.json").write_text(json.dumps(config))
         with pytest.raises(ValueError, match=message):
             load_model(EngineConfig.create(tmp_path, dtype="float32", load_format="dummy").model, "cpu")
+
+
+def test_router_renormalizes_or_scales_as_deepseek_does():
+    from ferry.models.deepseek_v2 import DeepseekRouter
+
+    def router(norm: bool, k: int):
+        hf = {**tiny_config("v2").to_dict(), "norm_topk_prob": norm, "num_experts_per_tok": k}
+        config = SimpleNamespace(moe=SimpleNamespace(num_experts=8, num_experts_per_tok=k, norm_topk_prob=norm),
+                                 hf_config=hf)
+        r = DeepseekRouter(64, config)
+        torch.nn.init.normal_(r.weight, generator=torch.Generator().manual_seed(0))
+        return r
+
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    weights, _ = router(True, 2)(x)
+    assert torch.allclose(weights.sum(-1), torch.ones(5))  # renormalized, not scaled by 2.5
+    plain = router(False, 2)
+    scaled, ids = plain(x)
+    probs = torch.softmax(x @ plain.weight.T, dim=-1)
+    assert torch.allclose(scaled, 2.5 * probs.gather(1, ids))  # routed_scaling_factor, no renormalizing
+    one, _ = router(True, 1)(x)  # one expert: scaled, never renormalized to 1
+    assert not torch.allclose(one, torch.ones_like(one))
+
+
+def test_yarn_defaults_as_transformers():
+    from ferry.layers.rotary import rope_parameters
+
+    hf = {"max_position_embeddings": 4096, "rope_scaling": {"type": "yarn", "factor": None}, "rope_theta": 1e4,
+          "original_max_position_embeddings": 1024}
+    params = rope_parameters(hf)
+    assert params["factor"] == 4.0 and params["original_max_position_embeddings"] == 1024
+    del hf["original_max_position_embeddings"]
+    hf["rope_scaling"] = {"type": "yarn", "factor": 2.0}
+    assert rope_parameters(hf)["original_max_position_embeddings"] == 4096
+
+
+def test_prefill_tiles_hold_a_tokens_query_heads():
+    from ferry.attention.kernels.prefill_attention import default_config
+
+    assert default_config(128, 16).block_m == 64 and default_config(128, 128).block_m == 128

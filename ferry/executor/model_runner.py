@@ -672,7 +672,8 @@ def build_model_runner(
     decode_graphs = _decode_graphs(config, model, kv_caches, backend, query_lens)
     prefill_graphs = _prefill_graphs(config, model, kv_caches, backend)
     if proposer is not None:
-        proposer.allocate(config, num_blocks, get_attention_backend(device, config.attention_backend))
+        draft_head_dim = getattr(proposer, "model_config", config.model).head_dim
+        proposer.allocate(config, num_blocks, get_attention_backend(device, config.attention_backend, draft_head_dim))
     return ModelRunner(config, model, kv_caches, backend, Sampler(seed=config.seed, device=device), decode_graphs,
                        proposer, grammars, prefill_graphs)
 

@@ -28,6 +28,12 @@ def rope_parameters(hf_config: dict[str, Any]) -> dict[str, Any]:
     params = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
     params.setdefault("rope_theta", hf_config.get("rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.pop("type", None) or "default"
+    if params["rope_type"] == "yarn":  # (as transformers defaults them: the config's top level first)
+        context = hf_config.get("max_position_embeddings")
+        original = hf_config.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        params["original_max_position_embeddings"] = original = original or context
+        if params.get("factor") is None:
+            params["factor"] = context / original
     if params["rope_type"] not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"rope_type {params['rope_type']!r} is not supported; ferry supports {SUPPORTED_ROPE_TYPES}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:

@@ -129,7 +129,9 @@ class MlaAttention(nn.Module):
 
 
 class DeepseekRouter(TopKRouter):
-    """Router logits and softmax in float32; greedy or group-limited top k, scaled."""
+    """Router logits and softmax in float32; greedy or group-limited top k, renormalized where
+    norm_topk_prob (and k > 1) as DeepSeek's code does, scaled by routed_scaling_factor otherwise.
+    (transformers ignores norm_topk_prob; every published V2 has it false, where the two agree.)"""
 
     def __init__(self, hidden_size: int, config: ModelConfig) -> None:
         super().__init__(hidden_size, config.moe)
@@ -146,8 +148,8 @@ class DeepseekRouter(TopKRouter):
             keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(1, best, True)
             probs = (groups * keep[..., None]).flatten(-2)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.top_k > 1 and self.norm_topk_prob:  # DeepSeek's own rule: renormalized, or else scaled
+            return weights / (weights.sum(dim=-1, keepdim=True) + 1e-20), ids
         return weights * self.scaling, ids
 
 

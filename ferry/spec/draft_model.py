@@ -115,7 +115,12 @@ class DraftModelProposer(Proposer):
 
         self.kv_caches = allocate_kv_caches(self.model_config, config.cache, num_blocks, self.device)
         self.backend = backend
-        if not config.enforce_eager:
+        cuda = self.device.type == "cuda"
+        if cuda and backend.for_decode_graph(1, self.model_config.num_kv_heads, config.model.max_model_len,
+                                             self.device) is None:
+            logger.warning("the draft's %s attention backend cannot run in a CUDA graph: its steps run eagerly",
+                           type(backend).__name__)
+        elif not config.enforce_eager:
             from ferry.executor.cuda_graph import DecodeGraphRunner
 
             self.graphs = DecodeGraphRunner(self.model, self.kv_caches, backend, config.decode_graph_sizes,

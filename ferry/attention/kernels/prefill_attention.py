@@ -67,8 +67,9 @@ class PrefillConfig:
     num_stages: int = 3
 
 
-def default_config(head_dim: int) -> PrefillConfig:
-    return PrefillConfig(64, 64, 4, 3) if head_dim <= 128 else PrefillConfig()
+def default_config(head_dim: int, group: int = 1) -> PrefillConfig:
+    """64 x 64 up to head_dim 128 where 64 rows hold a token's `group` query heads; else 128 x 64."""
+    return PrefillConfig(64, 64, 4, 3) if head_dim <= 128 and group <= 64 else PrefillConfig()
 
 
 @triton.jit
@@ -186,7 +187,7 @@ def prefill_attention(
     num_real_tokens: int,  # query_start_loc[-1], from the host
     scale: float,
     out: torch.Tensor,  # (num_tokens, num_heads, head_dim); rows of requests written, others untouched
-    config: PrefillConfig | None = None,  # None: default_config(head_dim)
+    config: PrefillConfig | None = None,  # None: default_config(head_dim, group)
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # an FP8 cache's, (num_kv_heads,) each
     sliding_window: int | None = None,  # a query sees only the last this many keys, itself included
     softcap: float | None = None,  # scores become softcap * tanh(score / softcap)
@@ -196,7 +197,7 @@ def prefill_attention(
     _, _, page_size, num_kv_heads, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     num_reqs = seq_lens.shape[0]
-    config = config or default_config(head_dim)
+    config = config or default_config(head_dim, group)
     assert config.block_m >= group, "a query tile must hold at least one token's heads"
     assert q.stride(-1) == 1 and out.stride(-1) == 1 and kv_cache.stride(-1) == 1
     block_q = config.block_m // group
